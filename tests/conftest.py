@@ -1,0 +1,84 @@
+"""Shared fixtures: a tiny tokenizer trained in-test on offline text, and tiny random llama / gemma3 checkpoints
+built from configs, so most tests need no download. Tests of the real SmolLM2 are marked `real_model`."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _train_tokenizer():
+    import pydoc_data.topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = list(pydoc_data.topics.topics.values())
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", padding_side="left")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return _train_tokenizer()
+
+
+def _save(model, tokenizer, path):
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=tiny_tokenizer.bos_token_id,
+                         eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
+    return _save(LlamaForCausalLM(config).eval(), tiny_tokenizer, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory, tiny_tokenizer):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              sliding_window=8, layer_types=["sliding_attention", "sliding_attention",
+                                                             "full_attention"],
+                              max_position_embeddings=512, initializer_range=0.2,
+                              bos_token_id=tiny_tokenizer.bos_token_id, eos_token_id=tiny_tokenizer.eos_token_id,
+                              pad_token_id=tiny_tokenizer.pad_token_id)
+    return _save(Gemma3ForCausalLM(config).eval(), tiny_tokenizer, tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="session", params=["llama", "gemma3"])
+def tiny_model(request, tiny_llama_dir, tiny_gemma3_dir):
+    """(model, tokenizer) in fp32 for each architecture the engine is tested on."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_llama_dir if request.param == "llama" else tiny_gemma3_dir
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model in fp32, from the specquant cache (CI fetches it with `specquant models fetch`)."""
+    from toolkit.models import is_cached, load_model
+
+    if not is_cached("smollm2-135m"):
+        pytest.skip("SmolLM2-135M is not cached: run `specquant models fetch smollm2-135m`")
+    return load_model("smollm2-135m", dtype=torch.float32)

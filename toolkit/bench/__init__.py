@@ -1,0 +1,1 @@
+"""Latency benchmarks: the engine against peers on the same model, prompts and threads, interleaved in one run."""

@@ -1,0 +1,128 @@
+"""`specquant bench`: the engine's prefill and decode latency against transformers' generate(), interleaved.
+
+Both paths run the same prompts with the same threads in one process, alternating which goes first, because this
+machine is noisy: only ratios measured side by side mean anything. Each path generates exactly `new_tokens`
+tokens (end-of-sequence ignored) so decode rates compare like with like.
+"""
+
+import statistics
+
+import torch
+
+from toolkit.bench.baseline import hf_generate_timed
+from toolkit.engine.generate import generate
+from toolkit.engine.setup import dtype_name
+from toolkit.engine.timing import GenerationTiming, RssSampler, percentiles
+from toolkit.errors import InputError
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of parameters a decode step reads: every weight once, except the input embedding table, of which a
+    step reads one row (when it is tied to the output head, the head reads it in full, counted once)."""
+    embedding = model.get_input_embeddings().weight
+    total = 0
+    for param in {id(p): p for p in model.parameters()}.values():
+        total += param.numel() * param.element_size()
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding
+    if not tied:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def decode_floor(model, dtype: torch.dtype, context_tokens: float, bandwidth: float) -> dict:
+    """The fastest a decode step can be if it only had to stream its bytes at the measured bandwidth."""
+    weights = weight_bytes_per_token(model)
+    kv = kv_bytes_per_token(model, dtype) * context_tokens
+    seconds = (weights + kv) / bandwidth
+    return {"weight_bytes": weights, "kv_bytes_at_mean_context": int(kv), "floor_ms": seconds * 1e3,
+            "floor_tokens_per_s": 1 / seconds}
+
+
+def summarize(timings: list[GenerationTiming], peak_rss_mb: float, **extra) -> dict:
+    """Pool runs: TTFT median, ITL percentiles over every step, decode rate = decode tokens / decode time."""
+    itl = [s for t in timings for s in t.itl_s]
+    decode_s = sum(t.decode_s for t in timings)
+    return {
+        **extra,
+        "prompt_tokens": timings[0].prompt_tokens,
+        "new_tokens": timings[0].new_tokens,
+        "runs": len(timings),
+        "ttft_ms": statistics.median(t.ttft_s for t in timings) * 1e3,
+        "itl_ms": {k: v * 1e3 for k, v in percentiles(itl).items()},
+        "decode_tokens_per_s": len(itl) / decode_s if decode_s else float("nan"),
+        "peak_rss_mb": peak_rss_mb,
+    }
+
+
+def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[list[int]], new_tokens: int,
+                      repeats: int, warmup: int, bandwidth: float) -> dict:
+    """Time the engine on `engine_model` and transformers' generate() on `reference_model` (None: no baseline),
+    both already in their dtypes, on token-id prompts."""
+    if repeats < 1 or new_tokens < 2:
+        raise InputError("bench needs repeats >= 1 and new_tokens >= 2 (one inter-token latency at least)",
+                         "raise repeats / new_tokens")
+    paths = {"engine": lambda ids: _engine_run(engine_model, tokenizer, ids, new_tokens)}
+    if reference_model is not None:
+        paths["baseline"] = lambda ids: hf_generate_timed(reference_model, ids, new_tokens)
+
+    for run in paths.values():
+        for ids in prompts[:1] * warmup:
+            run(ids)
+    timings = {name: [] for name in paths}
+    outputs = {name: [] for name in paths}
+    peaks = dict.fromkeys(paths, 0.0)
+    for rep in range(repeats):
+        for i, ids in enumerate(prompts):
+            order = list(paths) if (rep + i) % 2 == 0 else list(reversed(paths))
+            for name in order:
+                with RssSampler() as rss:
+                    tokens, timing = paths[name](ids)
+                peaks[name] = max(peaks[name], rss.peak_mb)
+                timings[name].append(timing)
+                if rep == 0:
+                    outputs[name].append(tokens)
+
+    mean_context = statistics.mean(len(ids) for ids in prompts) + new_tokens / 2
+    result = _path_summary(engine_model, timings["engine"], peaks["engine"], mean_context, bandwidth)
+    if reference_model is not None:
+        result["baseline"] = _path_summary(reference_model, timings["baseline"], peaks["baseline"], mean_context,
+                                           bandwidth, name="transformers generate()")
+        result["speedup_vs_baseline"] = result["decode_tokens_per_s"] / result["baseline"]["decode_tokens_per_s"]
+        result["ttft_speedup_vs_baseline"] = result["baseline"]["ttft_ms"] / result["ttft_ms"]
+        result["greedy_token_agreement_vs_baseline"] = _agreement(outputs["engine"], outputs["baseline"])
+    return result
+
+
+def _path_summary(model, timings, peak_mb, mean_context, bandwidth, **extra) -> dict:
+    dtype = model_dtype(model)
+    summary = summarize(timings, peak_mb, **extra, dtype=dtype_name(dtype),
+                        decode_floor=decode_floor(model, dtype, mean_context, bandwidth))
+    # How many times slower than the bandwidth floor the measured decode step is (1.0 = at the floor).
+    summary["decode_floor"]["times_floor"] = summary["decode_floor"]["floor_tokens_per_s"] / summary["decode_tokens_per_s"]
+    return summary
+
+
+def model_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _engine_run(model, tokenizer, ids: list[int], new_tokens: int):
+    out = generate(model, tokenizer, [ids], new_tokens, stop_tokens=set())
+    return out.sequences[0].token_ids, out.timing
+
+
+def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """Share of generated positions where both paths chose the same token (positionwise, whole length)."""
+    same = total = 0
+    for a, b in zip(ours, theirs):
+        total += max(len(a), len(b))
+        same += sum(x == y for x, y in zip(a, b))
+    return same / total if total else float("nan")

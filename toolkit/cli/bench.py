@@ -1,0 +1,78 @@
+"""specquant bench: engine vs transformers generate(), interleaved in one run; a table on screen, JSON to `out=`."""
+
+import copy
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from toolkit.bench.latency import run_latency_bench
+from toolkit.engine.precision import prepare_model, resolve_dtype
+from toolkit.engine.setup import configure_threads, prepare_engine_model
+from toolkit.errors import InputError
+from toolkit.machine import machine_facts
+from toolkit.results import make_result, write_json_atomic
+
+console = Console()
+
+
+def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tokens: int, n_prompts: int,
+          repeats: int, warmup: int, baseline: str, baseline_dtype: str, config: dict) -> dict:
+    """Load once, build prompts, time both paths; returns the result record (also used by `demo`)."""
+    from toolkit.data import build_prompts
+    from toolkit.models import load_model
+
+    if baseline not in ("hf", "none"):
+        raise InputError(f"unknown baseline {baseline!r}", "use baseline=hf or baseline=none")
+    threads = configure_threads(engine_cfg.threads)
+    loaded = load_model(model_name)
+    texts = build_prompts(prompts, loaded.tokenizer, prompt_tokens, n_prompts)
+    prompt_ids = [loaded.tokenizer(p.text).input_ids for p in texts]
+    reference = None
+    if baseline == "hf":
+        reference = prepare_model(copy.deepcopy(loaded.model), resolve_dtype(baseline_dtype))
+    prepare_engine_model(loaded.model, engine_cfg)
+    machine = machine_facts(measure=True)
+    with console.status(f"timing {len(prompt_ids)} prompts x {repeats} repeats, engine"
+                        + (" and transformers generate() interleaved" if reference is not None else "")):
+        figures = run_latency_bench(loaded.model, loaded.tokenizer, reference, prompt_ids, new_tokens, repeats,
+                                    warmup, machine["memory_bandwidth_gbs"] * 1e9)
+    figures = {"model": loaded.name, "prompts": prompts, "threads": threads, **figures}
+    return make_result("bench", config, figures, machine)
+
+
+def print_table(result: dict) -> None:
+    rows = [("engine (specquant)", result)]
+    if "baseline" in result:
+        rows.append(("transformers generate()", result["baseline"]))
+    table = Table(title=f"{result['model']} | prompts={result['prompts']} | {result['prompt_tokens']} prompt tokens, "
+                        f"{result['new_tokens']} new | {result['runs']} runs | {result['threads']} threads")
+    for column in ("path", "dtype", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "decode tok/s",
+                   "floor tok/s", "x floor", "peak RSS MB"):
+        table.add_column(column, justify="right" if column != "path" else "left")
+    for name, r in rows:
+        itl, floor = r["itl_ms"], r["decode_floor"]
+        table.add_row(name, r["dtype"], f"{r['ttft_ms']:.1f}", f"{itl['p50']:.1f}", f"{itl['p90']:.1f}",
+                      f"{itl['p99']:.1f}", f"{r['decode_tokens_per_s']:.1f}", f"{floor['floor_tokens_per_s']:.1f}",
+                      f"{floor['times_floor']:.2f}", f"{r['peak_rss_mb']:.0f}")
+    console.print(table)
+    m = result["machine"]
+    console.print(f"machine: {m['cpu']}, {m['cores']} cores, native bf16: {m['native_bf16']}, measured read bandwidth "
+                  f"{m['memory_bandwidth_gbs']:.1f} GB/s, fp32 matmul {m['matmul_fp32_gflops']:.0f} GFLOP/s")
+    console.print("floor = bytes one decode step must read (weights + KV at the mean context) / measured bandwidth",
+                  style="dim")
+    if "baseline" in result:
+        console.print(f"decode speedup vs transformers generate(): [bold]{result['speedup_vs_baseline']:.2f}x[/]   "
+                      f"TTFT speedup: {result['ttft_speedup_vs_baseline']:.2f}x   greedy token agreement "
+                      f"({result['dtype']} vs {result['baseline']['dtype']}): "
+                      f"{result['greedy_token_agreement_vs_baseline']:.3f}")
+
+
+def run(cfg) -> dict:
+    result = bench(cfg.model.name, cfg.engine, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens, cfg.n_prompts,
+                   cfg.repeats, cfg.warmup, cfg.baseline, cfg.baseline_dtype,
+                   OmegaConf.to_container(cfg, resolve=True))
+    print_table(result)
+    if cfg.out:
+        console.print(f"wrote {write_json_atomic(cfg.out, result)}")
+    return result

@@ -1,0 +1,186 @@
+"""The generation loop: `prefill` (prompt -> first token) and `decode_step` (-> next token) over a preallocated
+KV cache, in the manner of gpt-fast, but over any transformers causal-LM module.
+
+Batches are left-padded so every sequence's next token sits in the last column; positions come from the attention
+mask exactly as transformers' `generate()` derives them, so greedy output is token-identical to it.
+"""
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.engine.kv_cache import ContiguousKVCache
+from toolkit.engine.sampling import SamplingParams, sample
+from toolkit.engine.timing import GenerationTiming, Stopwatch
+from toolkit.errors import InputError
+
+# on_token(sequence_index, token_id, text_delta): called for every token of every running sequence, and once more
+# per sequence at the end with token_id None to flush text held back (an incomplete UTF-8 character).
+TokenCallback = Callable[[int, int | None, str], None]
+
+
+@dataclass
+class SequenceOutput:
+    prompt_tokens: int
+    token_ids: list[int]  # generated tokens, stop token excluded
+    text: str  # decoded generated tokens, cut before a stop string
+    finish_reason: str  # "stop" (stop token or string) or "length"
+
+
+@dataclass
+class GenerationResult:
+    sequences: list[SequenceOutput]
+    timing: GenerationTiming
+
+
+def context_length(model) -> int:
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", 0) or 2**31)
+
+
+def _forward(model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    kwargs = {}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1  # prefill only needs the last position's logits: skip a [T, vocab] matmul
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                cache=cache, use_cache=True, **kwargs)
+    return out.logits[:, -1]
+
+
+@torch.inference_mode()
+def prefill(model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    """Run the prompts [batch, T] through the model, filling `cache`; return the last position's logits."""
+    return _forward(model, input_ids, attention_mask, position_ids, cache)
+
+
+@torch.inference_mode()
+def decode_step(model, tokens, attention_mask, position_ids, cache) -> torch.Tensor:
+    """Run one new token per sequence [batch, 1] against the cache; return its logits [batch, vocab]."""
+    return _forward(model, tokens, attention_mask, position_ids, cache)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts:
+        raise InputError("no prompts given", "pass at least one prompt")
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        ids = list(prompt) if not isinstance(prompt, str) else tokenizer(prompt).input_ids
+        if not ids or (isinstance(prompt, str) and not prompt.strip()):
+            raise InputError(f"prompt {i} is empty", "give a prompt with some text in it")
+        encoded.append([int(t) for t in ids])
+    return encoded
+
+
+def left_pad(encoded: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, T] ids and attention mask, padded on the left to the longest prompt."""
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        mask[row, width - len(ids):] = 1
+    return input_ids, mask
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as transformers' generate() makes them: count of real tokens so far, pads at 1."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return ids
+
+
+class _Detokenizer:
+    """Incremental text for one sequence: emits only text that can no longer change (no half UTF-8 char)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""
+
+    def push(self, token_ids: list[int], final: bool = False) -> str:
+        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if full.endswith("\ufffd") and not final:
+            return ""
+        delta, self.text = full[len(self.text):], full
+        return delta
+
+
+def validate_request(model, prompt_lengths: list[int], new_tokens: int) -> None:
+    if new_tokens <= 0:
+        raise InputError(f"new_tokens must be > 0, got {new_tokens}", "ask for at least one new token")
+    limit = context_length(model)
+    longest = max(prompt_lengths)
+    if longest + new_tokens > limit:
+        raise InputError(
+            f"prompt of {longest} tokens + {new_tokens} new tokens exceeds the model's context of {limit} tokens",
+            f"shorten the prompt to at most {limit - new_tokens} tokens or lower new_tokens")
+
+
+def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParams = SamplingParams(),
+             stop_strings: Sequence[str] = (), stop_tokens: set[int] | None = None,
+             on_token: TokenCallback | None = None) -> GenerationResult:
+    """Generate up to `new_tokens` tokens for each prompt (text or token ids), timing prefill and every decode step."""
+    encoded = encode_prompts(tokenizer, prompts)
+    validate_request(model, [len(ids) for ids in encoded], new_tokens)
+    stop_tokens = stop_token_ids(model, tokenizer) if stop_tokens is None else set(stop_tokens)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_tokens), 0)
+    device = next(model.parameters()).device
+    input_ids, mask = (t.to(device) for t in left_pad(encoded, pad_id))
+    batch, width = input_ids.shape
+    padded = bool((mask == 0).any())
+    cache = ContiguousKVCache.for_model(model, width + new_tokens)
+    generator = sampling.generator(device)
+    detok = [_Detokenizer(tokenizer) for _ in range(batch)] if (on_token or stop_strings) else None
+
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    finish = [""] * batch
+    watch = Stopwatch()
+    logits = prefill(model, input_ids, mask if padded else None, positions_from_mask(mask), cache)
+    positions = positions_from_mask(mask)[:, -1:]
+    for step in range(new_tokens):
+        if step:
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            positions = positions + 1
+            logits = decode_step(model, tokens[:, None], mask if padded else None, positions, cache)
+        tokens = sample(logits, sampling, generator)
+        watch.mark()
+        for row, token in enumerate(tokens.tolist()):
+            if finish[row]:
+                continue
+            if token in stop_tokens:
+                finish[row] = "stop"
+                continue
+            generated[row].append(token)
+            if detok is not None:
+                delta = detok[row].push(generated[row])
+                if on_token:
+                    on_token(row, token, delta)
+                if any(s in detok[row].text for s in stop_strings):
+                    finish[row] = "stop"
+        if all(finish):
+            break
+        if padded or batch > 1:
+            tokens = tokens.masked_fill(torch.tensor([bool(f) for f in finish], device=device), pad_id)
+
+    if on_token:
+        for row in range(batch):
+            rest = detok[row].push(generated[row], final=True)
+            if rest:
+                on_token(row, None, rest)
+    sequences = []
+    for row in range(batch):
+        text = tokenizer.decode(generated[row], skip_special_tokens=True)
+        for s in stop_strings:
+            if s in text:
+                text = text[:text.index(s)]
+        sequences.append(SequenceOutput(len(encoded[row]), generated[row], text, finish[row] or "length"))
+    return GenerationResult(sequences, watch.timing(width, batch))

@@ -1,0 +1,104 @@
+"""A preallocated, croppable full-precision KV cache that transformers' attention layers write into.
+
+transformers' DynamicCache grows by `torch.cat` on every step (a copy of the whole cache per layer per token) and its
+StaticCache attends over the full preallocated length behind a mask. This cache preallocates once and hands attention
+views of exactly the filled prefix, so a decode step neither copies the past nor reads unused slots.
+
+Interface shared with the quantized and paged caches to come: `update` (append + read, as transformers calls it),
+`crop(length)`, `length`, `nbytes`. Sliding-window layers (Gemma 3) keep their full history here; the sliding mask
+built by transformers limits what they attend to, so results are the same at the cost of memory.
+"""
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class ContiguousKVLayer(CacheLayerMixin):
+    """One layer's keys and values in buffers of shape [batch, kv_heads, max_length, head_dim]."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, max_length: int):
+        super().__init__()
+        self.max_length = max_length
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, k_dim = key_states.shape
+        kw = dict(dtype=key_states.dtype, device=key_states.device)
+        self.device = key_states.device
+        self.key_buffer = torch.empty(batch, heads, self.max_length, k_dim, **kw)
+        self.value_buffer = torch.empty(batch, heads, self.max_length, value_states.shape[-1], **kw)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        if end > self.max_length:
+            raise RuntimeError(f"KV cache overflow: {end} tokens > max_length {self.max_length}")
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.length = end
+        self.keys = self.key_buffer[:, :, :end]
+        self.values = self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Called before `update` for this step: attention will see the cached prefix plus the new queries.
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_length
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` tokens (a negative value removes that many from the end, as in transformers)."""
+        new_length = self.length + length if length < 0 else length
+        if not 0 <= new_length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} tokens to {new_length}")
+        self.length = new_length
+        if self.is_initialized:
+            self.keys = self.key_buffer[:, :, :new_length]
+            self.values = self.value_buffer[:, :, :new_length]
+
+    def reset(self) -> None:
+        self.crop(0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the filled part holds (what a decode step reads), not the preallocated capacity."""
+        if not self.is_initialized:
+            return 0
+        per_token = (self.key_buffer[:, :, :1].numel() * self.key_buffer.element_size()
+                     + self.value_buffer[:, :, :1].numel() * self.value_buffer.element_size())
+        return per_token * self.length
+
+
+class ContiguousKVCache(Cache):
+    """A full-precision KV cache for `num_layers` layers and up to `max_length` tokens per sequence."""
+
+    def __init__(self, num_layers: int, max_length: int):
+        super().__init__(layers=[ContiguousKVLayer(max_length) for _ in range(num_layers)])
+        self.max_length = max_length
+
+    @classmethod
+    def for_model(cls, model, max_length: int) -> "ContiguousKVCache":
+        config = model.config.get_text_config(decoder=True)
+        return cls(config.num_hidden_layers, max_length)
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def crop(self, length: int) -> None:
+        for layer in self.layers:
+            layer.crop(length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)

@@ -1,0 +1,62 @@
+"""Token choice from logits: greedy, or sampling with temperature, top-k and top-p.
+
+`probabilities` is kept separate from `sample` because speculative decoding needs the exact distribution that
+sampling draws from (the same temperature/top-k/top-p applied to target and draft) for rejection sampling.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0  # 1 means no nucleus cut
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}", "use 0 for greedy decoding")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be >= 0, got {self.top_k}", "use 0 to disable top-k")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}", "use 1.0 to disable nucleus sampling")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device="cpu") -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(int(self.seed))
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from, [..., vocab] float32; one-hot on the argmax when greedy."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the tokens before it already cover top_p; the most likely token always stays.
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next tokens for a batch of logits [batch, vocab] -> [batch] int64."""
+    if params.greedy:
+        return logits.argmax(-1)
+    probs = probabilities(logits, params)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

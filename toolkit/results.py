@@ -1,0 +1,49 @@
+"""A result: one dict per bench/eval run holding the resolved config, the figures, the machine and the git
+revision, written atomically as JSON (the report layer of a later issue reads only these)."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from toolkit.errors import SpecquantError
+
+
+def git_revision() -> str | None:
+    """The checkout's commit (with '+dirty' when the tree has changes), or None outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        if rev.returncode:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return rev.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def make_result(kind: str, config: dict, figures: dict, machine: dict) -> dict:
+    return {"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_revision": git_revision(),
+            "config": config, "machine": machine, **figures}
+
+
+def write_json_atomic(path: str | Path, data: dict) -> Path:
+    """Write JSON through a temp file in the same folder + os.replace: a crash never leaves a half-written file."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise SpecquantError(f"out={path} is a directory", "give a file path, e.g. out=bench.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=False, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
