@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from toolkit.engine import ContiguousKVCache, SamplingParams, generate
-from toolkit.engine.precision import Bf16StorageLinear, prepare_model
+from toolkit.engine.precision import HalfStorageLinear, Precision, exact_linears, prepare_model, resolve_precision
 from toolkit.engine.sampling import probabilities
 from toolkit.errors import InputError
 
@@ -159,20 +159,91 @@ def test_cache_nbytes_counts_the_filled_part(tiny_model):
     assert cache.nbytes == per_token * cache.length
 
 
-def test_bf16_storage_linear_matches_fp32_math():
+@pytest.mark.parametrize("weights, compute", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                             (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_half_storage_linear_matches_fp32_math(weights, compute, rows):
     torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
-    layer.__class__ = Bf16StorageLinear
+    layer = torch.nn.Linear(64, 32).to(compute)
+    layer.weight.data = layer.weight.data.to(weights)
+    layer.__class__ = HalfStorageLinear
     ref = torch.nn.Linear(64, 32)
     ref.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
-    for rows in (1, 16):
-        x = torch.randn(rows, 64).to(torch.bfloat16)
-        assert torch.allclose(layer(x).float(), ref(x.float()), atol=0.05, rtol=0.02)
+    x = torch.randn(rows, 64).to(compute)
+    out = layer(x)
+    assert out.dtype == compute
+    assert torch.allclose(out.float(), ref(x.float()), atol=0.05, rtol=0.02)
+
+
+def test_exact_linears_compute_beyond_fp16_range():
+    layer = torch.nn.Linear(4, 2, bias=False)
+    layer.weight.data = torch.ones(2, 4, dtype=torch.float16)
+    layer.__class__ = HalfStorageLinear
+    x = torch.full((1, 4), 30000.0)  # each product fits fp16, their sum (120000) does not
+    assert torch.isinf(layer(x)).all()
+    with exact_linears():
+        assert layer(x).tolist() == [[120000.0, 120000.0]]
+    assert torch.isinf(layer(x)).all()
+
+
+def test_engine_redoes_an_overflowed_fp16_step_exactly(tiny_llama_dir, tiny_tokenizer):
+    """Scale one MLP so its fp16 product overflows: the engine must notice, roll the cache back and rerun the step
+    in fp32, giving the fp32 model's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    with torch.no_grad():
+        ref.model.layers[0].mlp.down_proj.weight.mul_(3000.0)
+        ref.model.layers[0].mlp.up_proj.weight.mul_(30.0)
+    import copy
+
+    half = prepare_model(copy.deepcopy(ref), Precision(torch.float32, torch.float16))
+    ids = torch.tensor([tiny_tokenizer(PROMPTS[0]).input_ids])
+    with torch.inference_mode():
+        assert not torch.isfinite(half(ids[:, :1]).logits).all()  # the raw fp16 path does overflow
+    expected = generate(ref, tiny_tokenizer, [PROMPTS[0]], 8, stop_tokens=set()).sequences[0].token_ids
+    assert generate(half, tiny_tokenizer, [PROMPTS[0]], 8, stop_tokens=set()).sequences[0].token_ids == expected
+
+
+def test_auto_precision_follows_the_hardware(monkeypatch):
+    from toolkit.engine import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert resolve_precision("auto") == Precision(torch.float32, torch.float16)
+    assert resolve_precision("fp32") == Precision(torch.float32, torch.float32)
+    assert resolve_precision("auto", "bf16") == Precision(torch.float32, torch.bfloat16)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert resolve_precision("auto") == Precision(torch.bfloat16, torch.bfloat16)
+    with pytest.raises(InputError, match="engine.dtype"):
+        resolve_precision("fp64")
+
+
+@pytest.mark.parametrize("precision, min_agreement", [(Precision(torch.float32, torch.float16), 0.95),
+                                                      (Precision(torch.bfloat16, torch.bfloat16), 0.85)])
+def test_half_precision_engine_stays_close_to_fp32(tiny_model, precision, min_agreement):
+    """Half-precision weights change logits slightly: teacher-forced top-1 choices mostly agree with fp32 (a random
+    tiny model has many near-ties, so not all; greedy runs would diverge after the first flip)."""
+    import copy
+
+    model, tok = tiny_model
+    half = prepare_model(copy.deepcopy(model), precision)
+    ids = tok(PROMPTS, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        ref, out = model(**ids).logits, half(**ids).logits.float()
+    real = ids.attention_mask.bool()
+    agreement = (ref.argmax(-1) == out.argmax(-1))[real].float().mean()
+    assert agreement >= min_agreement
+    assert (ref - out)[real].abs().max() < 0.5
+    assert generate(half, tok, PROMPTS[:2], 4).sequences[0].token_ids  # and the engine runs it
 
 
 def test_prepare_model_keeps_tied_weights_tied(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    model = prepare_model(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), torch.bfloat16)
+    model = prepare_model(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), Precision(torch.float32, torch.float16))
     assert model.lm_head.weight is model.get_input_embeddings().weight
-    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.float16
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float16
+    assert model.model.norm.weight.dtype == torch.float32
+    with torch.inference_mode():
+        assert model.get_input_embeddings()(torch.tensor([[1, 2]])).dtype == torch.float32

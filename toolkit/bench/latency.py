@@ -11,7 +11,7 @@ import torch
 
 from toolkit.bench.baseline import hf_generate_timed
 from toolkit.engine.generate import generate
-from toolkit.engine.setup import dtype_name
+from toolkit.engine.precision import model_precision
 from toolkit.engine.timing import GenerationTiming, RssSampler, percentiles
 from toolkit.errors import InputError
 
@@ -37,10 +37,10 @@ def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
-def decode_floor(model, dtype: torch.dtype, context_tokens: float, bandwidth: float) -> dict:
+def decode_floor(model, kv_dtype: torch.dtype, context_tokens: float, bandwidth: float) -> dict:
     """The fastest a decode step can be if it only had to stream its bytes at the measured bandwidth."""
     weights = weight_bytes_per_token(model)
-    kv = kv_bytes_per_token(model, dtype) * context_tokens
+    kv = kv_bytes_per_token(model, kv_dtype) * context_tokens
     seconds = (weights + kv) / bandwidth
     return {"weight_bytes": weights, "kv_bytes_at_mean_context": int(kv), "floor_ms": seconds * 1e3,
             "floor_tokens_per_s": 1 / seconds}
@@ -102,16 +102,12 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
 
 
 def _path_summary(model, timings, peak_mb, mean_context, bandwidth, **extra) -> dict:
-    dtype = model_dtype(model)
-    summary = summarize(timings, peak_mb, **extra, dtype=dtype_name(dtype),
-                        decode_floor=decode_floor(model, dtype, mean_context, bandwidth))
+    precision = model_precision(model)
+    summary = summarize(timings, peak_mb, **extra, dtype=precision.name,
+                        decode_floor=decode_floor(model, precision.compute, mean_context, bandwidth))
     # How many times slower than the bandwidth floor the measured decode step is (1.0 = at the floor).
     summary["decode_floor"]["times_floor"] = summary["decode_floor"]["floor_tokens_per_s"] / summary["decode_tokens_per_s"]
     return summary
-
-
-def model_dtype(model) -> torch.dtype:
-    return next(model.parameters()).dtype
 
 
 def _engine_run(model, tokenizer, ids: list[int], new_tokens: int):

@@ -1,5 +1,6 @@
 """specquant bench: engine vs transformers generate(), interleaved in one run; a table on screen, JSON to `out=`."""
 
+import sys
 import copy
 
 from omegaconf import OmegaConf
@@ -7,13 +8,13 @@ from rich.console import Console
 from rich.table import Table
 
 from toolkit.bench.latency import run_latency_bench
-from toolkit.engine.precision import prepare_model, resolve_dtype
+from toolkit.engine.precision import prepare_model, resolve_precision
 from toolkit.engine.setup import configure_threads, prepare_engine_model
 from toolkit.errors import InputError
 from toolkit.machine import machine_facts
 from toolkit.results import make_result, write_json_atomic
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tokens: int, n_prompts: int,
@@ -30,7 +31,7 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
     prompt_ids = [loaded.tokenizer(p.text).input_ids for p in texts]
     reference = None
     if baseline == "hf":
-        reference = prepare_model(copy.deepcopy(loaded.model), resolve_dtype(baseline_dtype))
+        reference = prepare_model(copy.deepcopy(loaded.model), resolve_precision(baseline_dtype))
     prepare_engine_model(loaded.model, engine_cfg)
     machine = machine_facts(measure=True)
     with console.status(f"timing {len(prompt_ids)} prompts x {repeats} repeats, engine"

@@ -1,5 +1,6 @@
 """specquant demo: the first run for a new user. Fetch the default model (once), generate, benchmark, summarise."""
 
+import sys
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.panel import Panel
@@ -7,7 +8,7 @@ from rich.panel import Panel
 from toolkit.cli.bench import bench, print_table
 from toolkit.results import write_json_atomic
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def run(cfg) -> dict:

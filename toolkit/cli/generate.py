@@ -7,7 +7,7 @@ from rich.console import Console
 
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import SamplingParams
-from toolkit.engine.setup import dtype_name, load_engine_model
+from toolkit.engine.setup import load_engine_model
 from toolkit.errors import InputError
 from toolkit.results import write_json_atomic
 
@@ -53,11 +53,11 @@ def run(cfg) -> dict:
         for i, seq in enumerate(result.sequences):
             print(f"--- [{i}] {seq.finish_reason}, {len(seq.token_ids)} tokens\n{texts[i]}[+]{seq.text}")
     summary = result.timing.summary()
-    console.print(f"[dim]{loaded.name} {dtype_name(loaded.dtype)} | prompt {summary['prompt_tokens']} tok x "
+    console.print(f"[dim]{loaded.name} {loaded.precision.name} | prompt {summary['prompt_tokens']} tok x "
                   f"{summary['batch_size']} | new {summary['new_tokens']} tok | TTFT {summary['ttft_ms']:.0f} ms | "
                   f"ITL p50 {summary['itl_ms']['p50']:.1f} ms | decode {summary['decode_tokens_per_s']:.1f} tok/s[/]",
                   highlight=False)
-    record = {"model": loaded.name, "dtype": dtype_name(loaded.dtype), "timing": summary,
+    record = {"model": loaded.name, "dtype": loaded.precision.name, "timing": summary,
               "outputs": [{"prompt": t, "text": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason}
                           for t, s in zip(texts, result.sequences)],
               "config": OmegaConf.to_container(cfg, resolve=True)}

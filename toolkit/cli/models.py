@@ -1,11 +1,12 @@
 """specquant models list | fetch NAME | verify NAME."""
 
+import sys
 from rich.console import Console
 from rich.table import Table
 
 from toolkit.errors import SpecquantError
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def _size(n: int | None) -> str:

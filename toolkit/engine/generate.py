@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.engine.kv_cache import ContiguousKVCache
+from toolkit.engine.precision import exact_linears, may_overflow
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.engine.timing import GenerationTiming, Stopwatch
 from toolkit.errors import InputError
@@ -40,13 +41,23 @@ def context_length(model) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 2**31)
 
 
-def _forward(model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+def _forward(model, input_ids, attention_mask, position_ids, cache, forward=None) -> torch.Tensor:
+    forward = forward or model
     kwargs = {}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         kwargs["logits_to_keep"] = 1  # prefill only needs the last position's logits: skip a [T, vocab] matmul
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                cache=cache, use_cache=True, **kwargs)
-    return out.logits[:, -1]
+    start = cache.length
+
+    def run():
+        return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       cache=cache, use_cache=True, **kwargs).logits[:, -1]
+
+    logits = run()
+    if may_overflow(model) and not torch.isfinite(logits).all():
+        cache.crop(start)  # the overflowed step wrote garbage keys/values: drop them and redo it exactly
+        with exact_linears():
+            logits = run()
+    return logits
 
 
 @torch.inference_mode()
@@ -57,8 +68,9 @@ def prefill(model, input_ids, attention_mask, position_ids, cache) -> torch.Tens
 
 @torch.inference_mode()
 def decode_step(model, tokens, attention_mask, position_ids, cache) -> torch.Tensor:
-    """Run one new token per sequence [batch, 1] against the cache; return its logits [batch, vocab]."""
-    return _forward(model, tokens, attention_mask, position_ids, cache)
+    """Run one new token per sequence [batch, 1] against the cache; return its logits [batch, vocab].
+    Uses the compiled forward that `engine.setup.compile_decode` attached, if any."""
+    return _forward(model, tokens, attention_mask, position_ids, cache, getattr(model, "specquant_decode_forward", None))
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:

@@ -1,12 +1,19 @@
-"""Which dtype the engine runs in, and how to make bf16 fast on CPUs that have no bf16 arithmetic.
+"""Which dtypes the engine runs in: one for the activations (compute), one for stored Linear weights.
 
-Decode is memory-bound: bf16 weights halve the bytes each step reads, so bf16 helps decode on any CPU. Prefill is
-compute-bound: on a CPU without AVX512-BF16 or AMX (e.g. AMD Zen 3, AVX2 only), torch's bf16 matmul runs one row at
-a time and a 128-token prefill is ~6x slower than fp32. `Bf16StorageLinear` keeps bf16 weights (decode reads half
-the bytes) but upcasts weight and input to fp32 for matmuls with several rows, where that is faster.
+Decode is memory-bound: a step reads every weight once, so 2-byte weights halve its cost on any machine. Prefill is
+compute-bound, and there the CPU decides: without AVX512-BF16/AMX (e.g. AMD Zen 3, AVX2 only) torch's bf16 and
+fp16 matmuls run one row at a time — a 128-token prefill in bf16 is ~6x slower than in fp32 — and bf16 attention
+and elementwise ops are slower than fp32 too. So `auto` means:
+
+- CUDA, or a CPU with native bf16: bf16 activations and bf16 weights.
+- any other CPU: fp32 activations and fp16 weights. `HalfStorageLinear` runs 1-3-row products (decode) through
+  the half-precision kernel, which reads half the bytes (fp16's kernel streams faster than bf16's here, and fp16
+  keeps 3 more mantissa bits of the fp32 original), and upcasts the weight to fp32 for 4+ rows (prefill).
 """
 
+import contextlib
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,8 +25,8 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-# Below this many rows the native bf16 kernel (a gemv) wins; above, upcasting to fp32 wins (measured on Zen 3:
-# 1 row 98 vs 189 us, 4 rows 368 vs 352 us, 128 rows 11.5 vs 1.75 ms for a 1536x576 weight).
+# Below this many rows the half-precision kernel (a gemv) wins; from it on, upcasting to fp32 wins (measured on
+# Zen 3 for a 1536x576 bf16 weight: 1 row 98 vs 189 us, 4 rows 368 vs 352 us, 128 rows 11.5 vs 1.75 ms).
 UPCAST_MIN_ROWS = 4
 
 
@@ -38,34 +45,102 @@ def cpu_has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """'auto' is bf16 (half the bytes per decode step); otherwise the named dtype."""
-    if name == "auto":
-        return torch.bfloat16
+@dataclass(frozen=True)
+class Precision:
+    compute: torch.dtype  # activations, KV cache, norms
+    weights: torch.dtype  # stored Linear weights (and a tied embedding)
+
+    @property
+    def name(self) -> str:
+        compute, weights = DTYPE_NAMES[self.compute], DTYPE_NAMES[self.weights]
+        return compute if compute == weights else f"{weights} w / {compute} a"  # weights / activations
+
+
+def _dtype(name: str, key: str) -> torch.dtype:
     if name not in DTYPES:
-        raise InputError(f"unknown dtype {name!r}", f"use one of: auto, {', '.join(sorted(set(DTYPE_NAMES.values())))}")
+        raise InputError(f"unknown {key} {name!r}", f"use {key}=auto or one of: fp32, bf16, fp16")
     return DTYPES[name]
 
 
-class Bf16StorageLinear(torch.nn.Linear):
-    """nn.Linear with bf16 weights that computes multi-row products in fp32 (swapped in by class, so the
-    parameters, their ties and state-dict names stay the module's own)."""
+def resolve_precision(dtype: str = "auto", weight_dtype: str = "auto", device: str = "cpu") -> Precision:
+    """`dtype` names the activations; `weight_dtype` the stored weights (auto: as the module docstring says)."""
+    if dtype == "auto":
+        native = device != "cpu" or cpu_has_native_bf16()
+        compute, default_weights = (torch.bfloat16, torch.bfloat16) if native else (torch.float32, torch.float16)
+    else:
+        compute = default_weights = _dtype(dtype, "engine.dtype")
+    weights = default_weights if weight_dtype == "auto" else _dtype(weight_dtype, "engine.weight_dtype")
+    return Precision(compute, weights)
+
+
+def _native_matmul(dtype: torch.dtype, device: torch.device) -> bool:
+    return dtype == torch.float32 or device.type != "cpu" or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+
+
+class HalfStorageLinear(torch.nn.Linear):
+    """nn.Linear whose weight is stored in a half dtype while activations may be wider. Swapped in by class, so
+    parameters, their ties and state-dict names stay the module's own.
+
+    fp16's range ends at 65504. Checking every product for overflow costs more than a fifth of a decode step, so
+    the engine checks the logits once per forward instead (an overflow anywhere turns them inf/nan) and reruns that
+    forward under `exact_linears`, which takes the wide path everywhere."""
+
+    exact = False  # set on the class by exact_linears()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows < UPCAST_MIN_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        if x.numel() // x.shape[-1] < UPCAST_MIN_ROWS and not HalfStorageLinear.exact:
+            y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        compute = torch.float32 if x.dtype != torch.float32 and not _native_matmul(x.dtype, x.device) else x.dtype
+        bias = None if self.bias is None else self.bias.to(compute)
+        return F.linear(x.to(compute), self.weight.to(compute), bias).to(x.dtype)
 
 
-def prepare_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """Cast `model` to `dtype` for inference; on CPUs without bf16 arithmetic, swap Linear layers so bf16
-    prefill runs in fp32. Returns the same module, in eval mode."""
-    model.to(dtype).eval()
+@contextlib.contextmanager
+def exact_linears():
+    """Within the block, HalfStorageLinear computes in the activations' dtype (fp32 on CPU), never in fp16."""
+    previous, HalfStorageLinear.exact = HalfStorageLinear.exact, True
+    try:
+        yield
+    finally:
+        HalfStorageLinear.exact = previous
+
+
+def may_overflow(model) -> bool:
+    """True when the model's half-precision path can overflow (fp16 weights under wider activations)."""
+    precision = getattr(model, "specquant_precision", None)
+    return precision is not None and precision.weights == torch.float16 and precision.compute != torch.float16
+
+
+def _cast_output(dtype):
+    def hook(module, inputs, output):
+        return output.to(dtype)
+    return hook
+
+
+def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype) -> torch.nn.Module:
+    """Cast `model` in place for inference at `precision` (a bare dtype means that dtype for both); returns it."""
+    if isinstance(precision, torch.dtype):
+        precision = Precision(precision, precision)
+    model.to(precision.compute).eval()
     device = next(model.parameters()).device
-    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+    swap = precision.weights != precision.compute or not _native_matmul(precision.weights, device)
+    if swap:
         for module in model.modules():
             if type(module) is torch.nn.Linear:
-                module.__class__ = Bf16StorageLinear
+                module.weight.data = module.weight.data.to(precision.weights)
+                module.__class__ = HalfStorageLinear
+    embedding = model.get_input_embeddings()
+    if embedding.weight.dtype != precision.compute:  # tied to a half-precision output head
+        embedding.register_forward_hook(_cast_output(precision.compute))
+    model.specquant_precision = precision
     return model
+
+
+def model_precision(model) -> Precision:
+    """What prepare_model set, else the parameters' dtype for both."""
+    found = getattr(model, "specquant_precision", None)
+    if found is None:
+        dtype = next(model.parameters()).dtype
+        found = Precision(dtype, dtype)
+    return found

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from toolkit.engine.precision import DTYPE_NAMES, prepare_model, resolve_dtype
+from toolkit.engine.precision import Precision, prepare_model, resolve_precision
 from toolkit.errors import InputError
 
 
@@ -18,30 +18,28 @@ def configure_threads(threads: int | None) -> int:
 
 
 def load_engine_model(name: str, engine_cfg):
-    """Load `name` (registry name, directory, hub id) and prepare it for the engine; returns a LoadedModel."""
+    """Load `name` (registry name, directory, hub id) and prepare it for the engine; returns a LoadedModel whose
+    `precision` says what it runs in."""
     from toolkit.models import load_model
 
     configure_threads(engine_cfg.threads)
     loaded = load_model(name, dtype=torch.float32)
-    loaded.dtype = prepare_engine_model(loaded.model, engine_cfg)
+    loaded.precision = prepare_engine_model(loaded.model, engine_cfg)
     return loaded
 
 
-def prepare_engine_model(model, engine_cfg) -> torch.dtype:
-    """Move and cast `model` (in place) as the engine config says; returns the dtype it now runs in."""
+def prepare_engine_model(model, engine_cfg) -> Precision:
+    """Move and cast `model` (in place) as the engine config says; returns its precision."""
     if engine_cfg.device != "cpu" and not torch.cuda.is_available():
         raise InputError(f"engine.device={engine_cfg.device} but no CUDA device is available", "use engine.device=cpu")
-    dtype = resolve_dtype(engine_cfg.dtype, engine_cfg.device)
-    prepare_model(model.to(engine_cfg.device), dtype)
+    precision = resolve_precision(engine_cfg.dtype, engine_cfg.get("weight_dtype", "auto"), engine_cfg.device)
+    prepare_model(model.to(engine_cfg.device), precision)
     if engine_cfg.get("compile"):
         compile_decode(model)
-    return dtype
+    return precision
 
 
 def compile_decode(model) -> None:
-    """torch.compile the model's forward with dynamic shapes, so one graph serves every cache length."""
-    model.forward = torch.compile(model.forward, dynamic=True)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return DTYPE_NAMES.get(dtype, str(dtype))
+    """torch.compile the forward that decode steps use (prefill stays eager: one graph fewer to build), with
+    dynamic shapes so one graph serves every cache length. The first decode step pays the compilation."""
+    model.specquant_decode_forward = torch.compile(model.forward, dynamic=True)
