@@ -17,6 +17,8 @@ from toolkit.data import (
     EVALUATION,
     PROMPT_SETS,
     build_prompts,
+    cache,
+    debian,
     fetch,
     is_cached,
     list_datasets,
@@ -231,7 +233,7 @@ def test_debian_dataset_not_fetched_says_how_to_fetch():
 
 
 def test_fetch_without_apt_get_names_the_debian_registry(monkeypatch):
-    monkeypatch.setattr(sources.shutil, "which", lambda name: None)
+    monkeypatch.setattr(debian.shutil, "which", lambda name: None)
     with pytest.raises(DataError, match="apt-get") as error:
         fetch("austen", progress=False)
     assert "Debian package registry" in error.value.fix
@@ -243,7 +245,7 @@ def test_fetch_of_builtin_source_is_a_no_op():
 
 def test_corrupt_cache_is_detected_and_re_fetch_suggested():
     docs = [sources.Document("Persuasion, chapter 1", "Sir Walter Elliot.", "Persuasion")]
-    folder = sources._write_cache("austen", docs, "test")
+    folder = cache.write_cache("austen", docs, "test")
     assert load_text("austen")["text"] == ["Sir Walter Elliot."]
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["documents"] == 1 and len(manifest["sha256"]) == 64
@@ -395,7 +397,7 @@ def test_fetched_data_loads_offline_and_fetch_is_then_a_no_op(fetched, monkeypat
     fetched("austen")
     def no_network(*args, **kwargs):
         raise AssertionError("should not run apt-get")
-    monkeypatch.setattr(sources, "_run", no_network)
+    monkeypatch.setattr(debian, "_run", no_network)
     assert is_cached("austen") and fetch("austen", progress=False) == fetched("austen")
     assert len(load_text("austen")) == 24
 

@@ -92,6 +92,16 @@ def test_stop_string_cuts_the_text(tiny_model):
     assert free.text.startswith(seq.text)
 
 
+def test_streamed_text_never_shows_the_stop_string(tiny_model):
+    model, tok = tiny_model
+    free = generate(model, tok, [PROMPTS[0]], 16, stop_tokens=set()).sequences[0]
+    needle = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
+    pieces = []
+    seq = generate(model, tok, [PROMPTS[0]], 16, stop_strings=[needle], stop_tokens=set(),
+                   on_token=lambda row, token, delta: pieces.append(delta)).sequences[0]
+    assert "".join(pieces) == seq.text and needle not in seq.text
+
+
 def test_streaming_callback_concatenates_to_the_text(tiny_model):
     model, tok = tiny_model
     pieces = {0: [], 1: []}

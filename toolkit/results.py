@@ -1,13 +1,12 @@
 """A result: one dict per bench/eval run holding the resolved config, the figures, the machine and the git
 revision, written atomically as JSON (the report layer of a later issue reads only these)."""
 
-import json
-import os
 import subprocess
 import time
 from pathlib import Path
 
 from toolkit.errors import SpecquantError
+from toolkit.fileio import write_json_atomic
 
 
 def git_revision() -> str | None:
@@ -29,21 +28,8 @@ def make_result(kind: str, config: dict, figures: dict, machine: dict) -> dict:
             "config": config, "machine": machine, **figures}
 
 
-def write_json_atomic(path: str | Path, data: dict) -> Path:
-    """Write JSON through a temp file in the same folder + os.replace: a crash never leaves a half-written file."""
-    path = Path(path).expanduser()
-    if path.is_dir():
+def write_result(path: str | Path, result: dict) -> Path:
+    """Write a result record atomically; a directory given as the path is a clear error."""
+    if Path(path).expanduser().is_dir():
         raise SpecquantError(f"out={path} is a directory", "give a file path, e.g. out=bench.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return write_json_atomic(path, result)

@@ -12,7 +12,7 @@ from toolkit.engine.precision import prepare_model, resolve_precision
 from toolkit.engine.setup import configure_threads, prepare_engine_model
 from toolkit.errors import InputError
 from toolkit.machine import machine_facts
-from toolkit.results import make_result, write_json_atomic
+from toolkit.results import make_result, write_result
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -75,5 +75,5 @@ def run(cfg) -> dict:
                    OmegaConf.to_container(cfg, resolve=True))
     print_table(result)
     if cfg.out:
-        console.print(f"wrote {write_json_atomic(cfg.out, result)}")
+        console.print(f"wrote {write_result(cfg.out, result)}")
     return result

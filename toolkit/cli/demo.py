@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.panel import Panel
 
 from toolkit.cli.bench import bench, print_table
-from toolkit.results import write_json_atomic
+from toolkit.results import write_result
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -49,5 +49,5 @@ def run(cfg) -> dict:
                  f"{floor['times_floor']:.1f}x the floor time")
     console.print(Panel("\n".join(lines), title="specquant demo"))
     if cfg.out:
-        write_json_atomic(cfg.out, {"generate": generated, "bench": result})
+        write_result(cfg.out, {"generate": generated, "bench": result})
     return result

@@ -8,10 +8,11 @@ from rich.console import Console
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import SamplingParams
 from toolkit.engine.setup import load_engine_model
+from toolkit.engine.timing import process_peak_rss_mb
 from toolkit.errors import InputError
-from toolkit.results import write_json_atomic
+from toolkit.results import write_result
 
-console = Console(stderr=True)
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 
 def prompt_texts(cfg, tokenizer) -> list[str]:
@@ -52,15 +53,16 @@ def run(cfg) -> dict:
     else:
         for i, seq in enumerate(result.sequences):
             print(f"--- [{i}] {seq.finish_reason}, {len(seq.token_ids)} tokens\n{texts[i]}[+]{seq.text}")
-    summary = result.timing.summary()
+    summary = {**result.timing.summary(), "peak_rss_mb": process_peak_rss_mb()}
     console.print(f"[dim]{loaded.name} {loaded.precision.name} | prompt {summary['prompt_tokens']} tok x "
                   f"{summary['batch_size']} | new {summary['new_tokens']} tok | TTFT {summary['ttft_ms']:.0f} ms | "
-                  f"ITL p50 {summary['itl_ms']['p50']:.1f} ms | decode {summary['decode_tokens_per_s']:.1f} tok/s[/]",
+                  f"ITL p50 {summary['itl_ms']['p50']:.1f} ms | decode {summary['decode_tokens_per_s']:.1f} tok/s | "
+                  f"peak RSS {summary['peak_rss_mb']:.0f} MB[/]",
                   highlight=False)
     record = {"model": loaded.name, "dtype": loaded.precision.name, "timing": summary,
               "outputs": [{"prompt": t, "text": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason}
                           for t, s in zip(texts, result.sequences)],
               "config": OmegaConf.to_container(cfg, resolve=True)}
     if cfg.out:
-        write_json_atomic(cfg.out, record)
+        write_result(cfg.out, record)
     return record

@@ -5,6 +5,7 @@ Batches are left-padded so every sequence's next token sits in the last column; 
 mask exactly as transformers' `generate()` derives them, so greedy output is token-identical to it.
 """
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ TokenCallback = Callable[[int, int | None, str], None]
 @dataclass
 class SequenceOutput:
     prompt_tokens: int
-    token_ids: list[int]  # generated tokens, stop token excluded
+    token_ids: list[int]  # generated tokens: a stop token excluded, the tokens of a stop string included
     text: str  # decoded generated tokens, cut before a stop string
     finish_reason: str  # "stop" (stop token or string) or "length"
 
@@ -41,11 +42,15 @@ def context_length(model) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 2**31)
 
 
+@functools.cache
+def _takes_logits_to_keep(model_class) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
 def _forward(model, input_ids, attention_mask, position_ids, cache, forward=None) -> torch.Tensor:
     forward = forward or model
-    kwargs = {}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kwargs["logits_to_keep"] = 1  # prefill only needs the last position's logits: skip a [T, vocab] matmul
+    # prefill only needs the last position's logits: skip a [T, vocab] matmul
+    kwargs = {"logits_to_keep": 1} if _takes_logits_to_keep(type(model)) else {}
     start = cache.length
 
     def run():
@@ -112,17 +117,29 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 
 
 class _Detokenizer:
-    """Incremental text for one sequence: emits only text that can no longer change (no half UTF-8 char)."""
+    """Incremental text for one sequence. Emits only text that can no longer change: never half a UTF-8
+    character, and never the last len(longest stop string) - 1 characters, which might begin a stop string.
+    `text` is cut before the first stop string, and `stopped` says one was found."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop_strings: Sequence[str]):
         self.tokenizer = tokenizer
+        self.stop_strings = [s for s in stop_strings if s]
+        self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
         self.text = ""
+        self.emitted = 0
+        self.stopped = False
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        if full.endswith("\ufffd") and not final:
+        cuts = [full.find(s) for s in self.stop_strings if s in full]
+        if cuts:
+            full, self.stopped, final = full[:min(cuts)], True, True
+        self.text = full
+        if not final and full.endswith("\ufffd"):
             return ""
-        delta, self.text = full[len(self.text):], full
+        limit = len(full) if final else len(full) - self.holdback
+        delta = full[self.emitted:limit]
+        self.emitted = max(self.emitted, limit)
         return delta
 
 
@@ -151,7 +168,7 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
     padded = bool((mask == 0).any())
     cache = ContiguousKVCache.for_model(model, width + new_tokens)
     generator = sampling.generator(device)
-    detok = [_Detokenizer(tokenizer) for _ in range(batch)] if (on_token or stop_strings) else None
+    detok = [_Detokenizer(tokenizer, stop_strings) for _ in range(batch)] if (on_token or stop_strings) else None
 
     generated: list[list[int]] = [[] for _ in range(batch)]
     finish = [""] * batch
@@ -176,23 +193,21 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
                 delta = detok[row].push(generated[row])
                 if on_token:
                     on_token(row, token, delta)
-                if any(s in detok[row].text for s in stop_strings):
+                if detok[row].stopped:
                     finish[row] = "stop"
         if all(finish):
             break
         if padded or batch > 1:
             tokens = tokens.masked_fill(torch.tensor([bool(f) for f in finish], device=device), pad_id)
 
-    if on_token:
-        for row in range(batch):
-            rest = detok[row].push(generated[row], final=True)
-            if rest:
-                on_token(row, None, rest)
     sequences = []
     for row in range(batch):
-        text = tokenizer.decode(generated[row], skip_special_tokens=True)
-        for s in stop_strings:
-            if s in text:
-                text = text[:text.index(s)]
+        if detok is None:
+            text = tokenizer.decode(generated[row], skip_special_tokens=True)
+        else:
+            rest = detok[row].push(generated[row], final=True)
+            if rest and on_token:
+                on_token(row, None, rest)
+            text = detok[row].text
         sequences.append(SequenceOutput(len(encoded[row]), generated[row], text, finish[row] or "length"))
     return GenerationResult(sequences, watch.timing(width, batch))

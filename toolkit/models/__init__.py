@@ -1,10 +1,12 @@
-"""The model layer: which models exist (registry), getting them into the cache (fetch), loading them (load).
+"""The model layer: which models exist (registry), the checked cache of converted checkpoints (cache), getting
+them into it (fetch: packages -> gguf -> cache), loading them (load).
 
 load_model/load_tokenizer/LoadedModel import torch, so they are loaded lazily: `specquant models list`
 should not pay seconds of torch import to print a table.
 """
 
-from .fetch import cache_info, fetch, is_cached, list_models, verify, write_entry
+from .cache import cache_info, is_cached, list_models, verify, write_entry
+from .fetch import fetch
 from .registry import DEFAULT_MODEL, REGISTRY, ModelSpec, ResolvedModel, get_spec, resolve
 
 __all__ = [

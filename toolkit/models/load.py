@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from ..errors import ModelError
-from .fetch import MANIFEST, fetch, is_cached, verify
+from .cache import MANIFEST, is_cached, verify
+from .fetch import fetch
 from .registry import ModelSpec, ResolvedModel, resolve
 
 
