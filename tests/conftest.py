@@ -82,3 +82,13 @@ def smollm2():
     if not is_cached("smollm2-135m"):
         pytest.skip("SmolLM2-135M is not cached: run `specquant models fetch smollm2-135m`")
     return load_model("smollm2-135m", dtype=torch.float32)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Big-model tests download and convert GBs: skipped, visibly, unless SPECQUANT_BIG_MODELS=1."""
+    if os.environ.get("SPECQUANT_BIG_MODELS") == "1":
+        return
+    skip = pytest.mark.skip(reason="big model (GBs): set SPECQUANT_BIG_MODELS=1 to run")
+    for item in items:
+        if "big_model" in item.keywords:
+            item.add_marker(skip)

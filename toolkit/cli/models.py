@@ -27,7 +27,8 @@ def show_list() -> None:
         table.add_column(column)
     for m in list_models():
         name = m["name"] + (" (default)" if m["name"] == DEFAULT_MODEL else "") + (" [opt-in]" if m.get("opt_in") else "")
-        table.add_row(name, str(m.get("params", "")), "yes" if m["cached"] else "no", _size(m.get("size_bytes")),
+        params = f"{m['params'] / 1e6:.0f}M" if m.get("params") else "-"
+        table.add_row(name, params, "yes" if m["cached"] else "no", _size(m.get("size_bytes")),
                       m.get("description", ""))
     console.print(table)
     console.print("Also: model=/path/to/checkpoint, or a hub id when online.", style="dim")
