@@ -1,6 +1,7 @@
 """specquant demo: the first run for a new user. Fetch the default model (once), generate, benchmark, summarise."""
 
 import sys
+from hydra import compose
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.panel import Panel
@@ -24,10 +25,9 @@ def run(cfg) -> dict:
     console.print(f"{name} is cached")
 
     console.rule("2. generate")
-    gen_cfg = OmegaConf.create({
-        "model": cfg.model, "engine": cfg.engine, "prompt": cfg.prompt, "prompts": None, "chat": False,
-        "new_tokens": cfg.new_tokens, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "stop": [],
-        "stream": True, "out": None, "prompt_tokens": 0, "n_prompts": 1})
+    # The generate command's own config (conf/generate.yaml), with the demo's model, engine and prompt.
+    gen_cfg = compose("generate", overrides=[f"model.name={name}", f"new_tokens={cfg.new_tokens}"])
+    gen_cfg.engine, gen_cfg.prompt = cfg.engine, cfg.prompt
     generated = generate_cmd.run(gen_cfg)
 
     console.rule("3. bench: engine vs transformers generate(), interleaved")

@@ -173,11 +173,14 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
     generated: list[list[int]] = [[] for _ in range(batch)]
     finish = [""] * batch
     watch = Stopwatch()
-    logits = prefill(model, input_ids, mask if padded else None, positions_from_mask(mask), cache)
-    positions = positions_from_mask(mask)[:, -1:]
+    positions = positions_from_mask(mask)
+    # Without padding the mask is all ones: pass None, so attention can use its plain causal path.
+    logits = prefill(model, input_ids, mask if padded else None, positions, cache)
+    positions = positions[:, -1:]
     for step in range(new_tokens):
         if step:
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            if padded:
+                mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             positions = positions + 1
             logits = decode_step(model, tokens[:, None], mask if padded else None, positions, cache)
         tokens = sample(logits, sampling, generator)
@@ -197,7 +200,7 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
                     finish[row] = "stop"
         if all(finish):
             break
-        if padded or batch > 1:
+        if batch > 1:  # finished rows keep stepping (the batch moves together) on pad tokens, as generate() does
             tokens = tokens.masked_fill(torch.tensor([bool(f) for f in finish], device=device), pad_id)
 
     sequences = []
