@@ -17,17 +17,15 @@ from toolkit.errors import InputError
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of parameters a decode step reads: every weight once, except the input embedding table, of which a
-    step reads one row (when it is tied to the output head, the head reads it in full, counted once)."""
+    """Bytes of weights a decode step reads: every parameter and quantized layer once, except the input embedding
+    table, of which a step reads one row (when it is tied to the output head, the head reads it in full, counted
+    once)."""
+    from toolkit.quant.qlinear import weight_bytes
+
     embedding = model.get_input_embeddings().weight
-    total = 0
-    for param in {id(p): p for p in model.parameters()}.values():
-        total += param.numel() * param.element_size()
     output = model.get_output_embeddings()
-    tied = output is not None and output.weight is embedding
-    if not tied:
-        total -= embedding.numel() * embedding.element_size()
-    return total
+    tied = output is not None and getattr(output, "weight", None) is embedding
+    return weight_bytes(model) - (0 if tied else embedding.numel() * embedding.element_size())
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
@@ -103,7 +101,8 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
 
 def _path_summary(model, timings, peak_mb, mean_context, bandwidth, **extra) -> dict:
     precision = model_precision(model)
-    summary = summarize(timings, peak_mb, **extra, dtype=precision.name,
+    label = getattr(model, "specquant_quant_label", None)
+    summary = summarize(timings, peak_mb, **extra, dtype=f"{label} + {precision.name}" if label else precision.name,
                         decode_floor=decode_floor(model, precision.compute, mean_context, bandwidth))
     # How many times slower than the bandwidth floor the measured decode step is (1.0 = at the floor).
     summary["decode_floor"]["times_floor"] = summary["decode_floor"]["floor_tokens_per_s"] / summary["decode_tokens_per_s"]

@@ -32,7 +32,43 @@ def translate_argv(command: str, argv: list[str]) -> list[str]:
         out.insert(0, f"action={positional[0]}")
         if len(positional) == 2:
             out.append(f"{group}={positional[1]}")
-    return [_group_value(arg) for arg in out]
+    return [_group_value(arg) for arg in _expand_recipe(out)]
+
+
+def _expand_recipe(overrides: list[str]) -> list[str]:
+    """`recipe=PATH` -> the recipe's keys as overrides, placed first so the rest of the command line wins."""
+    paths = [arg.partition("=")[2] for arg in overrides if arg.startswith("recipe=")]
+    if not paths:
+        return overrides
+    from omegaconf import OmegaConf
+
+    path = Path(paths[-1]).expanduser()
+    if not path.is_file():
+        raise SpecquantError(f"recipe {path} does not exist", "give a recipe file, e.g. "
+                             "recipe=recipes/smollm2-135m/rtn-int4-g64.yaml (see recipes/README.md)")
+    try:
+        recipe = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as exc:  # a YAML error of any kind: name the file
+        raise SpecquantError(f"recipe {path} is not valid YAML: {exc}", "fix the file or copy a recipe from recipes/")
+    if not isinstance(recipe, dict):
+        raise SpecquantError(f"recipe {path} is not a mapping of keys", "copy a recipe from recipes/ and edit it")
+    # hydra refuses two values for one key: the command line's value replaces the recipe's
+    merged = {arg.partition("=")[0]: arg for arg in _flatten(recipe)}
+    for arg in overrides:
+        key = arg.partition("=")[0]
+        merged.pop(key, None)
+        merged[key] = arg
+    return list(merged.values())
+
+
+def _flatten(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.extend(_flatten(value, f"{prefix}{key}."))
+        else:
+            out.append(f"{prefix}{key}={'null' if value is None else value}")
+    return out
 
 
 def _group_value(arg: str) -> str:

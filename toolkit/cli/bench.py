@@ -9,9 +9,10 @@ from rich.table import Table
 
 from toolkit.bench.latency import run_latency_bench
 from toolkit.engine.precision import prepare_model, resolve_precision
-from toolkit.engine.setup import configure_threads, prepare_engine_model
+from toolkit.engine.setup import configure_threads, load_quantized_model, prepare_engine_model
 from toolkit.errors import InputError
 from toolkit.machine import machine_facts
+from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 from toolkit.results import make_result, write_result
 
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -26,12 +27,20 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
     if baseline not in ("hf", "none"):
         raise InputError(f"unknown baseline {baseline!r}", "use baseline=hf or baseline=none")
     threads = configure_threads(engine_cfg.threads)
-    loaded = load_model(model_name)
+    reference = None
+    if is_quantized_checkpoint(model_name):
+        # the baseline is transformers on the float model the checkpoint was quantized from
+        loaded = load_quantized_model(model_name)
+        if baseline == "hf":
+            reference = load_model(read_manifest(model_name)["source"]).model
+    else:
+        loaded = load_model(model_name)
+        if baseline == "hf":
+            reference = copy.deepcopy(loaded.model)
+    if reference is not None:
+        prepare_model(reference, resolve_precision(baseline_dtype))
     texts = build_prompts(prompts, loaded.tokenizer, prompt_tokens, n_prompts)
     prompt_ids = [loaded.tokenizer(p.text).input_ids for p in texts]
-    reference = None
-    if baseline == "hf":
-        reference = prepare_model(copy.deepcopy(loaded.model), resolve_precision(baseline_dtype))
     prepare_engine_model(loaded.model, engine_cfg)
     machine = machine_facts(measure=True)
     with console.status(f"timing {len(prompt_ids)} prompts x {repeats} repeats, engine"

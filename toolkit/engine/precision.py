@@ -122,7 +122,11 @@ def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype) ->
     """Cast `model` in place for inference at `precision` (a bare dtype means that dtype for both); returns it."""
     if isinstance(precision, torch.dtype):
         precision = Precision(precision, precision)
-    model.to(precision.compute).eval()
+    # Parameters only: buffers keep their dtype (rotary frequencies stay fp32; quantized layers keep the scale
+    # dtypes their kernels need).
+    for param in model.parameters():
+        param.data = param.data.to(precision.compute)
+    model.eval()
     device = next(model.parameters()).device
     swap = precision.weights != precision.compute or not _native_matmul(precision.weights, device)
     if swap:

@@ -5,7 +5,7 @@ import os
 import torch
 
 from toolkit.engine.precision import Precision, prepare_model, resolve_precision
-from toolkit.errors import InputError
+from toolkit.errors import InputError, ModelError
 
 
 def configure_threads(threads: int | None) -> int:
@@ -21,11 +21,36 @@ def load_engine_model(name: str, engine_cfg):
     """Load `name` (registry name, directory, hub id) and prepare it for the engine; returns a LoadedModel whose
     `precision` says what it runs in."""
     from toolkit.models import load_model
+    from toolkit.quant.checkpoint import is_quantized_checkpoint
 
     configure_threads(engine_cfg.threads)
-    loaded = load_model(name, dtype=torch.float32)
+    loaded = load_quantized_model(name) if is_quantized_checkpoint(name) else load_model(name, dtype=torch.float32)
     loaded.precision = prepare_engine_model(loaded.model, engine_cfg)
     return loaded
+
+
+def load_quantized_model(path):
+    """A checkpoint written by `specquant quantize`, with its Linear layers swapped for QuantLinear (packed
+    low-bit weights, run by low-bit kernels); the remaining float parameters are fp32 until prepared."""
+    import time
+    from pathlib import Path
+
+    from toolkit.models.load import LoadedModel
+    from toolkit.quant.checkpoint import load_quantized, read_manifest
+    from toolkit.quant.model_quant import swap_quantized_modules
+    from toolkit.quant.qlinear import QuantLinear
+
+    start = time.perf_counter()
+    model, qsd, tokenizer = load_quantized(path, dtype=torch.float32)
+    if tokenizer is None:
+        raise ModelError(f"quantized checkpoint {path} has no tokenizer", "re-run specquant quantize, which saves one")
+    swap_quantized_modules(model, qsd, QuantLinear.from_quantized)
+    recipe = qsd.recipe
+    group = "per-channel" if recipe.group_size == -1 else f"g{recipe.group_size}"
+    model.specquant_quant_label = f"{recipe.method} int{recipe.bits} {group}"  # shown beside the dtype in results
+    name = f"{read_manifest(path).get('source') or Path(path).name} ({Path(path).name})"
+    return LoadedModel(model, tokenizer, name, None, Path(path), torch.float32,
+                       time.perf_counter() - start)
 
 
 def prepare_engine_model(model, engine_cfg) -> Precision:
@@ -33,7 +58,9 @@ def prepare_engine_model(model, engine_cfg) -> Precision:
     if engine_cfg.device != "cpu" and not torch.cuda.is_available():
         raise InputError(f"engine.device={engine_cfg.device} but no CUDA device is available", "use engine.device=cpu")
     precision = resolve_precision(engine_cfg.dtype, engine_cfg.get("weight_dtype", "auto"), engine_cfg.device)
-    prepare_model(model.to(engine_cfg.device), precision)
+    if engine_cfg.device != "cpu":
+        model.to(engine_cfg.device)
+    prepare_model(model, precision)
     if engine_cfg.get("compile"):
         compile_decode(model)
     return precision

@@ -1,0 +1,119 @@
+"""`specquant quantize` -> checkpoint -> `generate` / `bench` with model=DIR: the pipeline through the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from tests.test_cli import specquant
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tiny_llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q") / "tiny-int4"
+    run = specquant("quantize", f"model={tiny_llama_dir}", "quantize=rtn-int4", "quantize.group_size=32", f"out={out}")
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+def test_quantize_writes_a_checkpoint_that_generate_runs(int4_checkpoint):
+    from toolkit.quant.checkpoint import read_manifest
+
+    manifest = read_manifest(int4_checkpoint)
+    assert manifest["recipe"]["bits"] == 4 and manifest["recipe"]["group_size"] == 32
+    run = specquant("generate", f"model={int4_checkpoint}", "prompt=The syntax of", "new_tokens=5")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("The syntax of")
+
+
+def test_loaded_checkpoint_runs_low_bit_kernels_and_holds_no_float_weights(int4_checkpoint):
+    from omegaconf import OmegaConf
+
+    from toolkit.engine.setup import load_engine_model
+    from toolkit.quant.qlinear import QuantLinear
+
+    loaded = load_engine_model(str(int4_checkpoint), OmegaConf.create(
+        {"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": None, "compile": False}))
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 14 and {m.kernel for m in layers} == {"int4pack"}
+    assert not any(p.dim() == 2 and p.shape[0] != loaded.model.config.vocab_size
+                   for p in loaded.model.parameters())  # only the embedding/head matrix stays float
+
+
+def test_bench_on_a_checkpoint_uses_the_float_source_as_baseline(int4_checkpoint, tiny_llama_dir, tmp_path):
+    out = tmp_path / "b.json"
+    run = specquant("bench", f"model={int4_checkpoint}", "prompts=open", "prompt_tokens=32", "new_tokens=6",
+                    "n_prompts=1", "repeats=1", f"out={out}")
+    assert run.returncode == 0, run.stderr
+    r = json.loads(out.read_text())
+    assert r["dtype"].startswith("rtn int4 g32") and r["baseline"]["dtype"] == "fp32"
+    # the quantized engine reads fewer weight bytes per token than the fp32 baseline
+    assert r["decode_floor"]["weight_bytes"] < r["baseline"]["decode_floor"]["weight_bytes"] / 2
+
+
+def test_recipe_file_applies_and_the_command_line_wins(tiny_llama_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tiny_llama_dir}\nquantize:\n  method: rtn\n  bits: 4\n  group_size: 32\n"
+                      "  symmetric: false\n")
+    out = tmp_path / "ck"
+    run = specquant("quantize", f"recipe={recipe}", "quantize=rtn-int8", "quantize.bits=8",
+                    "quantize.group_size=-1", "quantize.symmetric=true", f"out={out}")
+    assert run.returncode == 0, run.stderr
+    from toolkit.quant.checkpoint import read_manifest
+
+    assert read_manifest(out)["recipe"]["bits"] == 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["recipe=/no/such/recipe.yaml"], "/no/such/recipe.yaml"),
+    (["quantize.method=awq"], "method"),
+    (["quantize.bits=5"], "bits"),
+])
+def test_bad_quantize_input_is_one_clear_error(tiny_llama_dir, tmp_path, args, message):
+    run = specquant("quantize", f"model={tiny_llama_dir}", f"out={tmp_path / 'x'}", *args)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def _dequantized_linear(qw):
+    """The float layer a QuantizedWeight stands for: the reference the low-bit kernels must reproduce."""
+    layer = torch.nn.Linear(qw.in_features, qw.out_features, bias=qw.bias is not None)
+    layer.weight.data = qw.dequantize(torch.float32)
+    if qw.bias is not None:
+        layer.bias.data = qw.bias.float()
+    return layer
+
+
+def _decode_choices(model, ids, start=32):
+    """Teacher-forced next-token choices, one decode step per position (so quantized layers run their kernel)."""
+    from toolkit.engine import ContiguousKVCache
+    from toolkit.engine.generate import decode_step, prefill
+
+    with torch.inference_mode():
+        cache = ContiguousKVCache.for_model(model, ids.shape[1])
+        prefill(model, ids[:, :start], None, torch.arange(start)[None], cache)
+        return torch.cat([decode_step(model, ids[:, i:i + 1], None, torch.tensor([[i]]), cache).argmax(-1)
+                          for i in range(start, ids.shape[1])])
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("recipe, min_vs_fp32", [(dict(bits=8, group_size=-1, symmetric=True), 0.95),
+                                                  (dict(bits=4, group_size=64, symmetric=False), 0.6)])
+def test_rtn_on_smollm2_kernels_match_dequantized_weights(smollm2, recipe, min_vs_fp32):
+    """The kernels reproduce the dequantized weights' choices almost everywhere; against fp32, RTN int8 keeps
+    nearly every choice while RTN int4 g64 loses a third of them on this 135M model (measured 0.65-0.71: the
+    floor here records that, GPTQ/AWQ are the fix)."""
+    import copy
+
+    import pydoc_data.topics
+
+    from toolkit.quant.model_quant import QuantRecipe, quantize_model, swap_quantized_modules
+    from toolkit.quant.qlinear import QuantLinear
+
+    qsd = quantize_model(smollm2.model, QuantRecipe(method="rtn", **recipe), progress=False)
+    kernels = swap_quantized_modules(copy.deepcopy(smollm2.model), qsd, QuantLinear.from_quantized)
+    reference = swap_quantized_modules(copy.deepcopy(smollm2.model), qsd, _dequantized_linear)
+    ids = torch.tensor([smollm2.tokenizer(pydoc_data.topics.topics["assignment"]).input_ids[:160]])
+    got = _decode_choices(kernels, ids)
+    assert (got == _decode_choices(reference, ids)).float().mean() >= 0.95
+    assert (got == _decode_choices(smollm2.model, ids)).float().mean() >= min_vs_fp32

@@ -1,0 +1,230 @@
+"""Quantize a whole model, in two separate steps (the gpt-fast split):
+
+1. `quantize_model(model, recipe)` makes a `QuantizedStateDict` — ``{module name: QuantizedWeight}`` for the
+   decoder's Linear layers — and leaves the model untouched. That is what a checkpoint stores.
+2. `swap_quantized_modules(model, qsd, factory)` replaces each of those Linear layers with the runtime module
+   ``factory(qw)`` builds (``QuantLinear.from_quantized`` in practice; this file does not depend on it).
+
+Which layers: every ``nn.Linear`` in the model except the output head (``lm_head``; embeddings are not Linear
+layers, so they are never candidates), the names that match ``recipe.skip``, those outside ``recipe.modules``
+(when given), and those whose ``in_features`` the group size does not divide. Every Linear left in float is
+reported in ``QuantizedStateDict.skipped`` with the reason, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import sys
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from toolkit.quant.primitives import QuantConfig
+from toolkit.quant.quantized_weight import QuantizedWeight
+from toolkit.quant.rtn import rtn_quantize
+
+METHODS = ("rtn",)  # gptq and awq join here; they also need calibration data
+DEFAULT_SKIP = ("lm_head",)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRecipe:
+    """What to quantize and how.
+
+    ``skip`` and ``modules`` hold glob patterns (``fnmatch``, case-sensitive) matched against a module's full
+    dotted name, or against any dotted tail of it: ``"lm_head"`` matches ``lm_head``, ``"mlp.down_proj"``
+    matches ``model.layers.3.mlp.down_proj``, ``"model.layers.0.*"`` matches all of layer 0. ``modules=None``
+    means every candidate; otherwise only names matching one of its patterns are quantized. The output head is
+    never quantized, whatever ``skip`` says.
+    """
+
+    method: str = "rtn"
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    skip: tuple[str, ...] = DEFAULT_SKIP
+    modules: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"QuantRecipe.method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        QuantConfig(bits=self.bits, group_size=self.group_size, symmetric=self.symmetric)  # validates, or raises
+        object.__setattr__(self, "skip", _patterns(self.skip, "skip"))
+        if self.modules is not None:
+            object.__setattr__(self, "modules", _patterns(self.modules, "modules"))
+
+    @property
+    def config(self) -> QuantConfig:
+        return QuantConfig(bits=self.bits, group_size=self.group_size, symmetric=self.symmetric)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["skip"] = list(self.skip)
+        d["modules"] = None if self.modules is None else list(self.modules)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantRecipe:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"unknown QuantRecipe keys {sorted(unknown)}; known: {sorted(fields)}")
+        return cls(**d)
+
+
+def _patterns(value, what: str) -> tuple[str, ...]:
+    if isinstance(value, str):  # a lone string would otherwise become a tuple of characters
+        value = (value,)
+    try:
+        patterns = tuple(value)
+    except TypeError:
+        raise ValueError(f"QuantRecipe.{what} must be a list of module-name patterns, got {value!r}") from None
+    if not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError(f"QuantRecipe.{what} must hold non-empty strings, got {value!r}")
+    return patterns
+
+
+def matches(name: str, patterns: Iterable[str]) -> str | None:
+    """The first pattern that matches ``name`` (whole dotted name or a dotted tail of it), else None."""
+    for pattern in patterns:
+        if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern):
+            return pattern
+    return None
+
+
+class SkippedModule(NamedTuple):
+    """A Linear layer left in float, and why. Unpacks as ``name, reason``."""
+
+    name: str
+    reason: str
+
+
+@dataclasses.dataclass
+class QuantizedStateDict:
+    """The result of `quantize_model`: the quantized Linear weights by module name, and what was left in float.
+
+    ``errors`` holds each layer's relative Frobenius error ``||W - deq(Q)|| / ||W||`` (a checkpoint keeps them).
+    """
+
+    weights: dict[str, QuantizedWeight]
+    recipe: QuantRecipe
+    skipped: list[SkippedModule] = dataclasses.field(default_factory=list)
+    errors: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        return self.weights[name]
+
+
+def _output_head_names(model: nn.Module) -> set[str]:
+    """Names of the module(s) that are the model's output head: ``get_output_embeddings()``, else ``lm_head``."""
+    head = None
+    getter = getattr(model, "get_output_embeddings", None)
+    if callable(getter):
+        try:
+            head = getter()
+        except (AttributeError, NotImplementedError):
+            head = None
+    names = {"lm_head"}
+    if head is not None:
+        names |= {name for name, module in model.named_modules(remove_duplicate=False) if module is head}
+    return names
+
+
+def quantizable_linears(model: nn.Module, recipe: QuantRecipe) -> tuple[dict[str, nn.Linear], list[SkippedModule]]:
+    """``(linears, skipped)``: the ``nn.Linear`` layers `quantize_model` will quantize, by name in model order,
+    and every other ``nn.Linear`` with the reason it stays in float. Together they list each Linear once."""
+    config = recipe.config
+    heads = _output_head_names(model)
+    linears: dict[str, nn.Linear] = {}
+    skipped: list[SkippedModule] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if name in heads:
+            skipped.append(SkippedModule(name, "output head (always kept in float)"))
+        elif (pattern := matches(name, recipe.skip)) is not None:
+            skipped.append(SkippedModule(name, f"matches skip pattern {pattern!r}"))
+        elif recipe.modules is not None and matches(name, recipe.modules) is None:
+            skipped.append(SkippedModule(name, "matches none of the recipe's modules patterns"))
+        elif module.weight.device.type == "meta":
+            skipped.append(SkippedModule(name, "weight is on the meta device (not loaded)"))
+        else:
+            try:
+                config.resolve_group_size(module.in_features)
+            except ValueError as exc:
+                skipped.append(SkippedModule(name, str(exc)))
+                continue
+            linears[name] = module
+    return linears, skipped
+
+
+_ALGORITHMS: dict[str, Callable[[torch.Tensor, QuantConfig, torch.Tensor | None], QuantizedWeight]] = {
+    "rtn": rtn_quantize,
+}
+
+
+def relative_error(weight: torch.Tensor, qw: QuantizedWeight) -> float:
+    """``||W - deq(Q)||_F / ||W||_F`` in float32 (0 for an all-zero weight quantized exactly)."""
+    w = weight.detach().to(torch.float32)
+    diff = torch.linalg.matrix_norm(w - qw.dequantize(torch.float32).to(w.device))
+    norm = torch.linalg.matrix_norm(w)
+    return float(diff / norm) if norm > 0 else float(diff)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, recipe: QuantRecipe, progress: bool = True) -> QuantizedStateDict:
+    """Quantize the model's Linear layers (see `quantizable_linears`) with ``recipe``; the model is not modified.
+
+    The QuantizedWeights live on each weight's device. A progress bar (stderr) shows each layer's relative error.
+    """
+    from tqdm import tqdm
+
+    linears, skipped = quantizable_linears(model, recipe)
+    algorithm = _ALGORITHMS[recipe.method]
+    config = recipe.config
+    weights: dict[str, QuantizedWeight] = {}
+    errors: dict[str, float] = {}
+    with tqdm(linears.items(), desc=f"{recipe.method} int{recipe.bits}", unit="layer", disable=not progress,
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        for name, linear in bar:
+            qw = algorithm(linear.weight, config, linear.bias)
+            weights[name] = qw
+            errors[name] = relative_error(linear.weight, qw)
+            bar.set_postfix_str(f"{name} rel_err={errors[name]:.4f}", refresh=False)
+    return QuantizedStateDict(weights=weights, recipe=recipe, skipped=skipped, errors=errors)
+
+
+def swap_quantized_modules(model: nn.Module, qsd: QuantizedStateDict | dict[str, QuantizedWeight],
+                           module_factory: Callable[[QuantizedWeight], nn.Module]) -> nn.Module:
+    """Replace each ``nn.Linear`` named in ``qsd`` with ``module_factory(qw)``, in place; returns ``model``.
+
+    Checks every target first (exists, is an ``nn.Linear`` of the QuantizedWeight's shape), so a mismatch
+    leaves the model unchanged. The factory decides device and dtype of the new module.
+    """
+    weights = qsd.weights if isinstance(qsd, QuantizedStateDict) else qsd
+    targets = []
+    for name, qw in weights.items():
+        parent_name, _, child = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+            old = getattr(parent, child)
+        except AttributeError:
+            raise ValueError(f"the model has no module {name!r} to swap (wrong model for this checkpoint?)") from None
+        if not isinstance(old, nn.Linear):
+            raise ValueError(f"module {name!r} is a {type(old).__name__}, not an nn.Linear")
+        if (old.out_features, old.in_features) != (qw.out_features, qw.in_features):
+            raise ValueError(f"module {name!r} is Linear({old.in_features} -> {old.out_features}) but the quantized "
+                             f"weight is [{qw.out_features}, {qw.in_features}] (wrong model for this checkpoint?)")
+        targets.append((parent, child, qw))
+    for parent, child, qw in targets:
+        setattr(parent, child, module_factory(qw))
+    return model

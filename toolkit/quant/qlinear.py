@@ -1,0 +1,382 @@
+"""`QuantLinear`: the runtime Linear layer that holds packed low-bit weights and runs real low-bit kernels.
+
+Built from a `QuantizedWeight` (codes + scale + integer zero point, GPTQ convention ``w = (q - zero) * scale``) by
+`QuantLinear.from_quantized`. Afterwards no float copy of the weight exists: only packed codes, their scales and
+zero points, and the bias, all as buffers. Which path a layer runs is recorded in ``self.kernel``:
+
+* ``"int8pack"`` -- bits=8, symmetric, one group per output channel (``group_size=-1``), ``in_features % 16 == 0``,
+  CPU: int8 codes ``q - 128`` [out, in] for ``aten._weight_int8pack_mm`` (per-channel symmetric, so a grouped or
+  asymmetric 8-bit weight cannot use it and takes ``"dequant"``).
+* ``"int4pack"`` -- bits=4, ``g_idx`` None or trivial, CPU, and the int4 kernel's shape rules hold (group size in
+  32/64/128/256 -- a per-channel weight uses the largest of those dividing ``in_features`` with the scales
+  repeated --, ``in_features % group == 0``, ``out_features % 16 == 0``): ``aten._convert_weight_to_int4pack_for_cpu``
+  layout, the integer zero point mapped to the kernel's float zero ``(8 - zero) * scale``.
+* ``"dequant"`` -- everything else (2/3 bits, 8-bit grouped or asymmetric, 4-bit shapes the kernel refuses,
+  act-order ``g_idx``, non-CPU devices: the CUDA tinygemm packing is not implemented here). Codes are stored as
+  ``uint8``: 4 bits two per byte (`pack_int4_rows`, low nibble first), 2 bits four per byte (code ``4j+i`` in bits
+  ``2i..2i+1`` of byte ``j``), 3 and 8 bits one code per byte (3-bit packing would save 5/8 of the bytes but needs a
+  bit stream that straddles bytes; not done). Odd widths that do not divide fall back to one code per byte.
+  forward dequantizes block by block (output rows, ~16 MB of float per block) into the compute dtype and runs
+  ``F.linear``.
+
+forward(x [..., in]) with ``rows = x.numel() // in``:
+
+* kernel layers, ``rows < self.kernel_max_rows``: the kernel with **bfloat16** activations (the only vectorized
+  path on x86; fp32/fp16 activations run a scalar loop 5-60x slower and are never used), x cast in and the result
+  cast back to x's dtype. The same path applies on CPUs with native bf16.
+* otherwise: dequantize the weight to fp32 (x's dtype where the CPU multiplies it natively) and ``F.linear``.
+  The dequantized values are ``(q - zero) * scale`` computed in fp32, exactly `QuantizedWeight.dequantize`'s.
+  int4pack layers decode their codes from the kernel's packed layout (checked against the codes at construction;
+  if this CPU's layout is not the one decoded here, a `pack_int4_rows` copy of the codes is kept for this path).
+
+Thresholds, measured on AMD Zen 3 (AVX2, 2 threads, shared with other jobs) for a 1536x576 layer (SmolLM2's MLP
+shape), int4 group 64 and int8 per-channel, fp32 in/out with casts and dequantization included, median
+microseconds per call (`python -m toolkit.quant.qlinear` prints a similar table)::
+
+    rows                            4    16    32    48    64   128
+    int4 kernel (bf16 act)        107   372   717  1050  1396  2768
+    int4 dequant + fp32 F.linear 1243  1479  1694  1916  2186  2890
+    int8 kernel (bf16 act)        108   365   705  1036  1365  2732
+    int8 dequant + fp32 F.linear  721   866  1080  1267  1462  2541
+    fp32 F.linear, float weight   267   363   605   790  1062  1722   (reference: no float weight is held here)
+    (1 row: int4 kernel 84, int8 kernel 62, fp32 F.linear 82)
+
+The dequantization alone takes ~470 us (int4, decoded from the kernel's packed layout) / ~150 us (int8), but the
+F.linear that follows then runs ~400 us slower than on a weight that was not just written (measured: mul alone 123,
+F.linear alone 349, the two in a row 866 us; row-blocking the dequantization did not help). The kernel costs ~21 us
+per row against ~9-13 us per row for fp32 ``F.linear``, so the fixed cost is only repaid at ~100-130 rows: at 128
+rows int8 dequant+fp32 is 1.08x faster than the kernel and int4 about even (0.96x); longer prefills favour the fp32
+path more (the fixed cost is spread). In a quieter earlier run the dequantization cost half as much and the
+crossovers were ~48 (int4) and ~32 (int8) rows: the thresholds are machine- and load-dependent. Compared with the
+~1.6x that fp32 ``F.linear`` has over the kernels at 128 rows when a float weight is held, little is left here.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.engine.precision import _native_matmul
+from toolkit.quant.kernels import (
+    FAST_DTYPE,
+    INT4_GROUP_SIZES,
+    INT4_N_MULTIPLE,
+    INT8_BF16_K_MULTIPLE,
+    int4_zeros_from_zero_point,
+)
+from toolkit.quant.primitives import pack_int4_rows
+from toolkit.quant.quantized_weight import QuantizedWeight
+
+KERNEL_MAX_ROWS = {"int4pack": 128, "int8pack": 96}
+"""Products with fewer rows than this run the low-bit kernel; from it on, dequantize + fp32 F.linear. From the
+medians in the module docstring: int4 at 128 rows 2768 (kernel) vs 2890 us, i.e. about even, so the fp32 path starts at
+128; int8 at 64 rows 1365 vs 1462 us and at 128 rows 2732 vs 2541 us, crossover ~96. Far above the engine's
+UPCAST_MIN_ROWS=4 because dequantizing is a fixed per-call cost that a float-weight layer does not pay, so decode
+and verify batches always stay on the kernel."""
+
+_DEQUANT_BLOCK_ELEMS = 1 << 22  # dequantize at most ~4M weights (16 MB fp32) at a time
+_INT4PACK_BLOCK_N = 32  # output rows per block of the CPU int4 packed layout (AVX2); verified at construction
+_ALIGN = 64  # the bf16 int8 kernel uses aligned loads (see kernels.py)
+
+
+class QuantLinear(torch.nn.Module):
+    """A Linear layer over packed low-bit weights; build it with `QuantLinear.from_quantized`."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, kernel: str):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.kernel = bits, group_size, kernel  # group_size resolved (-1 -> in)
+        self.kernel_group_size = None  # int4pack: the group the kernel runs with
+        self.kernel_max_rows = KERNEL_MAX_ROWS.get(kernel, 0)
+        self._code_layout = None  # dequant path: "int4_rows", "int2_rows" or "uint8"; int4pack: "packed"/"int4_rows"
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None)
+
+    # ------------------------------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, device: str | torch.device = "cpu") -> "QuantLinear":
+        """Pack `qw` for this machine's kernels (packed layouts are CPU-specific: never save them)."""
+        device = torch.device(device)
+        codes, config = qw.codes, qw.config
+        if codes.dim() != 2 or codes.is_floating_point():
+            raise ValueError(f"codes must be a 2-D integer tensor [out, in], got {codes.dtype} {tuple(codes.shape)}")
+        out_f, in_f = codes.shape
+        if qw.g_idx is None:
+            gs = config.resolve_group_size(in_f)
+            n_groups = in_f // gs
+        else:
+            if tuple(qw.g_idx.shape) != (in_f,):
+                raise ValueError(f"g_idx must have shape ({in_f},), got {tuple(qw.g_idx.shape)}")
+            gs = config.group_size if config.group_size != -1 else in_f
+            n_groups = int(qw.g_idx.max()) + 1 if in_f else 0
+        if tuple(qw.scale.shape) != (out_f, n_groups) or tuple(qw.zero.shape) != (out_f, n_groups):
+            raise ValueError(f"scale and zero must be [{out_f}, {n_groups}], got {tuple(qw.scale.shape)} and "
+                             f"{tuple(qw.zero.shape)}")
+        if qw.zero.is_floating_point():
+            raise ValueError(f"zero must be an integer tensor, got {qw.zero.dtype}")
+        codes = codes.to(device=device, dtype=torch.uint8)
+        scale = qw.scale.to(device=device, dtype=torch.float32)
+        zero = qw.zero.to(device=device)
+        trivial_g_idx = qw.g_idx is None or torch.equal(
+            qw.g_idx.long().cpu(), torch.arange(in_f) // gs)
+
+        kernel = "dequant"
+        if device.type == "cpu" and trivial_g_idx:
+            if (config.bits == 8 and config.symmetric and n_groups == 1 and in_f % INT8_BF16_K_MULTIPLE == 0
+                    and bool((zero == 128).all())):
+                kernel = "int8pack"
+            elif config.bits == 4 and _int4_kernel_group(out_f, in_f, gs) is not None:
+                kernel = "int4pack"
+        self = cls(in_f, out_f, config.bits, gs, kernel)
+        if qw.bias is not None:
+            self.bias = qw.bias.detach().to(device=device, dtype=torch.float32).clone()
+
+        if kernel == "int8pack":
+            w8 = (codes.to(torch.int16) - 128).to(torch.int8).contiguous().clone()  # fresh: 64-byte aligned
+            self.register_buffer("weight_int8", w8)
+            s = scale.reshape(out_f)
+            self.register_buffer("scale_bf16", s.to(FAST_DTYPE).contiguous())  # the kernel's (bf16) scales
+            self.register_buffer("scale", s.contiguous())  # exact, for the fp32 path
+        elif kernel == "int4pack":
+            kg = _int4_kernel_group(out_f, in_f, gs)
+            self.kernel_group_size = kg
+            rep = gs // kg  # per-channel weights: the kernel runs a smaller group with the scales repeated
+            ks = scale.repeat_interleave(rep, dim=1)
+            kz = int4_zeros_from_zero_point(ks, zero.repeat_interleave(rep, dim=1))
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            sz = torch.stack([ks, kz], dim=-1).transpose(0, 1).to(FAST_DTYPE).contiguous()
+            self.register_buffer("weight_int4pack", packed)
+            self.register_buffer("scales_and_zeros", sz)  # [in/kg, out, 2] bf16
+            self._register_exact_qparams(scale, zero, transposed=True)
+            if torch.equal(_decode_int4pack(packed, out_f, in_f, 0, out_f), codes.t()):
+                self._code_layout = "packed"  # the fp32 path reads the kernel's own bytes
+            else:  # an unknown packed layout (e.g. AVX512's): keep a portable copy for the fp32 path
+                self._code_layout = "int4_rows"
+                self.register_buffer("codes", pack_int4_rows(codes))
+        else:
+            if config.bits == 4 and in_f % 2 == 0:
+                self._code_layout, stored = "int4_rows", pack_int4_rows(codes)
+            elif config.bits == 2 and in_f % 4 == 0:
+                q = codes.view(out_f, in_f // 4, 4)
+                self._code_layout, stored = "int2_rows", q[..., 0] | q[..., 1] << 2 | q[..., 2] << 4 | q[..., 3] << 6
+            else:
+                self._code_layout, stored = "uint8", codes
+            self.register_buffer("codes", stored.contiguous().clone())
+            self._register_exact_qparams(scale, zero, transposed=False)
+            if not trivial_g_idx:
+                self.register_buffer("g_idx", qw.g_idx.to(device=device, dtype=torch.int32).clone())
+        return self
+
+    def _register_exact_qparams(self, scale: torch.Tensor, zero: torch.Tensor, transposed: bool) -> None:
+        # zero points fit a byte (bits <= 8); they are widened to fp32 per call (n_groups x out values: negligible)
+        z = zero.to(torch.uint8) if bool(((zero >= 0) & (zero <= 255)).all()) else zero.to(torch.int32)
+        if transposed:  # [n_groups, out]: the int4pack fp32 path builds W.T [in, out]
+            scale, z = scale.t(), z.t()
+        self.register_buffer("scale", scale.contiguous().clone())
+        self.register_buffer("zero", z.contiguous().clone())
+
+    # -------------------------------------------------------------------------------------------- forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if 0 < rows < self.kernel_max_rows:
+            y = self._kernel(x.reshape(rows, self.in_features))
+            y = y.to(x.dtype)
+        else:
+            compute = x.dtype if _native_matmul(x.dtype, x.device) else torch.float32
+            x2 = x.reshape(rows, self.in_features).to(compute)
+            fresh = x2.requires_grad and torch.is_grad_enabled()  # autograd would keep the scratch buffer
+            y = torch.cat([F.linear(x2, self._weight_block(n0, n1, compute, fresh))
+                           for n0, n1 in self._blocks()], dim=-1) if rows else x2.new_zeros(0, self.out_features)
+            y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        xb = x2.to(FAST_DTYPE)
+        if not xb.is_contiguous():
+            xb = xb.contiguous()
+        if self.kernel == "int8pack":
+            if xb.data_ptr() % _ALIGN:
+                xb = xb.clone()
+            return torch.ops.aten._weight_int8pack_mm(xb, self.weight_int8, self.scale_bf16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.weight_int4pack, self.kernel_group_size,
+                                                          self.scales_and_zeros)
+
+    def _blocks(self) -> list[tuple[int, int]]:
+        """Output-row ranges to dequantize one at a time (int4pack: aligned to its 32-row blocks)."""
+        n, k = self.out_features, self.in_features
+        step = max(1, _DEQUANT_BLOCK_ELEMS // max(k, 1))
+        if self.kernel == "int4pack":
+            step = max(_INT4PACK_BLOCK_N, step // _INT4PACK_BLOCK_N * _INT4PACK_BLOCK_N)
+        bounds = list(range(0, n, step)) + [n]
+        if self.kernel == "int4pack" and len(bounds) > 2 and bounds[-1] - bounds[-2] < _INT4PACK_BLOCK_N:
+            del bounds[-2]  # the packed tail (< 32 rows) is decoded with the block before it
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def _weight_block(self, n0: int, n1: int, dtype: torch.dtype, fresh: bool = False) -> torch.Tensor:
+        """Rows n0:n1 of the float weight, ``(q - zero) * scale`` in fp32, as [n1-n0, in] (maybe a transposed view).
+
+        Written into a per-thread scratch buffer that the next call overwrites: a fresh multi-MB tensor per call
+        would be page-faulted in by the OS each time, which here costs more than the dequantization itself
+        (~0.5 ms for 1536x576). The scratch is at most ~16 MB per thread, shared by all layers."""
+        k, gs, n = self.in_features, self.group_size, n1 - n0
+        buf = (torch.empty(n * k, device=self.scale.device) if fresh else _scratch(n * k, self.scale.device))
+        if self.kernel == "int8pack":
+            w = torch.mul(self.weight_int8[n0:n1], self.scale[n0:n1, None], out=buf.view(n, k))
+        elif self.kernel == "int4pack":  # built as W.T [in, n] so the packed layout is read in order
+            wt = buf.view(k, n)
+            if self._code_layout == "packed":
+                _decode_int4pack(self.weight_int4pack, self.out_features, k, n0, n1, out=wt)
+            else:
+                wt.copy_(_unpack_rows(self.codes[n0:n1], "int4_rows", k).t())
+            g = wt.view(k // gs, gs, n)
+            g.sub_(self.zero[:, n0:n1].float()[:, None]).mul_(self.scale[:, None, n0:n1])
+            w = wt.t()
+        else:
+            w = _unpack_rows(self.codes[n0:n1], self._code_layout, k, out=buf.view(n, k))
+            if hasattr(self, "g_idx"):
+                gi = self.g_idx.long()
+                w.sub_(self.zero[n0:n1].float()[:, gi]).mul_(self.scale[n0:n1][:, gi])
+            else:
+                w.view(n, k // gs, gs).sub_(self.zero[n0:n1].float()[:, :, None]).mul_(self.scale[n0:n1, :, None])
+        return w if dtype == torch.float32 else w.to(dtype)
+
+    # ----------------------------------------------------------------------------------------- reporting
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer this module holds: packed weights, scales/zeros (all copies), bias."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        group = "per-channel" if self.group_size == self.in_features else self.group_size
+        s = (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+             f"group_size={group}, kernel={self.kernel}")
+        if self.kernel_group_size is not None and self.kernel_group_size != self.group_size:
+            s += f" (group {self.kernel_group_size})"
+        return s + f", bias={self.bias is not None}"
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's weights: every QuantLinear's `nbytes` plus every remaining parameter, each storage once
+    (tied parameters, e.g. an embedding shared with the output head, count once)."""
+    total, seen = 0, set()
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.nbytes
+    for p in model.parameters():  # QuantLinear holds buffers only, so nothing is counted twice
+        key = (p.device, p.data_ptr(), p.numel(), p.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += p.numel() * p.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _int4_kernel_group(out_f: int, in_f: int, gs: int) -> int | None:
+    """The group size the int4 kernel can run this weight with, or None. A per-channel weight (gs == in) runs
+    as the largest kernel group dividing it, its scales repeated; otherwise the weight's own group must be one."""
+    if out_f % INT4_N_MULTIPLE or in_f % 2 or in_f == 0:
+        return None
+    if gs in INT4_GROUP_SIZES and in_f % gs == 0:
+        return gs
+    if gs == in_f:
+        fits = [g for g in INT4_GROUP_SIZES if in_f % g == 0]
+        return fits[-1] if fits else None
+    return None
+
+
+def _decode_int4pack(packed: torch.Tensor, n: int, k: int, n0: int, n1: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes of output rows n0:n1 as W.T [k, n1-n0] from ``_convert_weight_to_int4pack_for_cpu``'s AVX2 layout:
+    blocks of 32 rows, each ``[k, 16]`` bytes with byte ``i`` = row ``i`` (low nibble) | row ``16+i`` (high); a tail
+    of t < 32 rows is ``[k, t/2]`` bytes with byte ``i`` = row ``2i`` | row ``2i+1``. n0 must be a multiple of 32
+    and n1 one too or n. Found by packing probes; `QuantLinear.from_quantized` verifies it against the codes.
+    Written into `out` (any dtype, contiguous [k, n1-n0]) if given, else into a new uint8 tensor."""
+    b, half = _INT4PACK_BLOCK_N, _INT4PACK_BLOCK_N // 2
+    flat = packed.reshape(-1)
+    if out is None:
+        out = torch.empty(k, n1 - n0, dtype=torch.uint8, device=packed.device)
+    full_end = min(n1, n // b * b)
+    nb = (full_end - n0) // b if full_end > n0 else 0
+    if nb:
+        p = flat[n0 * k // 2:(n0 + nb * b) * k // 2].view(nb, k, half).transpose(0, 1)  # [k, nb, 16]
+        o = out[:, :nb * b].view(k, nb, 2, half)
+        o[:, :, 0].copy_(p & 0x0F)
+        o[:, :, 1].copy_(p >> 4)
+    t0 = n0 + nb * b
+    if n1 > t0:  # the tail block (fewer than 32 rows, even: n % 16 == 0)
+        t = n1 - t0
+        p = flat[t0 * k // 2:].view(k, t // 2)
+        o = out[:, nb * b:].unflatten(1, (t // 2, 2))
+        o[..., 0].copy_(p & 0x0F)
+        o[..., 1].copy_(p >> 4)
+    return out
+
+
+def _unpack_rows(stored: torch.Tensor, layout: str, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes [rows, k] from the dequant path's storage, written into `out` (any dtype) if given, else uint8."""
+    if out is None:
+        out = torch.empty(stored.shape[0], k, dtype=torch.uint8, device=stored.device)
+    if layout == "uint8":
+        return out.copy_(stored)
+    per = 2 if layout == "int4_rows" else 4
+    bits, mask = 8 // per, (1 << (8 // per)) - 1
+    o = out.view(stored.shape[0], k // per, per)
+    for i in range(per):
+        o[..., i].copy_((stored >> (bits * i)) & mask if i < per - 1 else stored >> (bits * i))
+    return out
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int, device: torch.device) -> torch.Tensor:
+    """A flat fp32 buffer of `numel` values, reused across calls and layers (one per thread and device)."""
+    key = str(device)
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[key] = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf[:numel]
+
+
+def _bench(n: int = 1536, k: int = 576, rows=(1, 4, 8, 16, 32, 48, 64, 128), reps: int = 30) -> None:
+    """Print the table in the module docstring for an n x k layer on this machine."""
+    import time
+
+    from toolkit.quant.primitives import QuantConfig, choose_qparams, quantize
+
+    def timed(f):
+        for _ in range(3):
+            f()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            f()
+        return (time.perf_counter() - t0) / reps * 1e6
+
+    w = torch.randn(n, k)
+    for bits, gs in ((4, 64), (8, -1)):
+        config = QuantConfig(bits=bits, group_size=gs)
+        scale, zero = choose_qparams(w, config)
+        layer = QuantLinear.from_quantized(QuantizedWeight(quantize(w, scale, zero, config), scale, zero, config))
+        for m in rows:
+            x = torch.randn(m, k)
+            kern = timed(lambda: layer._kernel(x).float())
+            deq = timed(lambda: F.linear(x, layer._weight_block(0, n, torch.float32)))
+            ref = timed(lambda: F.linear(x, w))
+            print(f"{layer.kernel:9s} rows={m:4d} kernel={kern:7.0f} us  dequant+fp32={deq:7.0f} us  "
+                  f"fp32 F.linear={ref:7.0f} us")
+
+
+if __name__ == "__main__":
+    _bench()
