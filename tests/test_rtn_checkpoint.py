@@ -10,8 +10,13 @@ from torch import nn
 from toolkit.errors import ModelError
 from toolkit.quant import checkpoint as ckpt
 from toolkit.quant.checkpoint import TENSORS, is_quantized_checkpoint, load_quantized, save_quantized
-from toolkit.quant.model_quant import (QuantizedStateDict, QuantRecipe, quantizable_linears, quantize_model,
-                                       swap_quantized_modules)
+from toolkit.quant.model_quant import (
+    QuantizedStateDict,
+    QuantRecipe,
+    quantizable_linears,
+    quantize_model,
+    swap_quantized_modules,
+)
 from toolkit.quant.primitives import QuantConfig, choose_qparams, quantize
 from toolkit.quant.rtn import rtn_quantize
 

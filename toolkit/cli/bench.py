@@ -1,7 +1,7 @@
 """specquant bench: engine vs transformers generate(), interleaved in one run; a table on screen, JSON to `out=`."""
 
-import sys
 import copy
+import sys
 
 from omegaconf import OmegaConf
 from rich.console import Console

@@ -1,6 +1,7 @@
 """specquant data list | fetch NAME | show NAME."""
 
 import sys
+
 from rich.console import Console
 from rich.table import Table
 

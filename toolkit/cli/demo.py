@@ -1,6 +1,7 @@
 """specquant demo: the first run for a new user. Fetch the default model (once), generate, benchmark, summarise."""
 
 import sys
+
 from hydra import compose
 from omegaconf import OmegaConf
 from rich.console import Console

@@ -1,6 +1,7 @@
 """specquant models list | fetch NAME | verify NAME."""
 
 import sys
+
 from rich.console import Console
 from rich.table import Table
 
@@ -45,8 +46,8 @@ def run(cfg) -> None:
         path = fetch(name, force=cfg.force)
         console.print(f"{name}: cached at {path}")
     elif cfg.action == "verify":
-        from toolkit.models import is_cached
         from toolkit import paths
+        from toolkit.models import is_cached
 
         if not is_cached(name):
             raise SpecquantError(f"{name} is not cached", f"specquant models fetch {name}")

@@ -26,7 +26,7 @@ from toolkit.quant.primitives import QuantConfig
 from toolkit.quant.quantized_weight import QuantizedWeight
 from toolkit.quant.rtn import rtn_quantize
 
-METHODS = ("rtn",)  # gptq and awq join here; they also need calibration data
+METHODS = ("rtn", "gptq")  # awq joins here; gptq (and awq) need calibration data
 DEFAULT_SKIP = ("lm_head",)
 
 
@@ -47,6 +47,15 @@ class QuantRecipe:
     symmetric: bool = True
     skip: tuple[str, ...] = DEFAULT_SKIP
     modules: tuple[str, ...] | None = None
+    # GPTQ's knobs (IST-DASLab/gptq names); RTN ignores them
+    damp_percent: float = 0.01
+    act_order: bool = False
+    static_groups: bool = False
+    block_size: int = 128
+    # calibration data for data-aware methods: windows from the calibration split of `dataset`
+    dataset: str = "pydoc"
+    n_samples: int = 128
+    seq_len: int = 512
 
     def __post_init__(self):
         if self.method not in METHODS:

@@ -1,0 +1,210 @@
+"""Calibration windows and the block-by-block driver (RTN through it must equal quantize_model exactly)."""
+
+import json
+
+import pytest
+import torch
+
+from toolkit.quant.calibrate import (
+    RTNLayerQuantizer,
+    calibration_batches,
+    decoder_blocks,
+    quantize_blockwise,
+)
+from toolkit.quant.model_quant import QuantRecipe, quantize_model
+
+RECIPE = QuantRecipe(bits=4, group_size=32)
+N, L = 4, 32
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def batches(tiny_tokenizer):
+    return calibration_batches(tiny_tokenizer, n_samples=N, seq_len=L, seed=0)
+
+
+def _stream(tokenizer, split):
+    from toolkit.data import load_text
+
+    ids = []
+    for text in load_text("pydoc", split=split)["text"]:
+        if text:
+            ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return ids
+
+
+def _contains(stream, window):
+    s, w = torch.tensor(stream), torch.tensor(window)
+    hits = (s.unfold(0, len(w), 1) == w).all(1)
+    return bool(hits.any())
+
+
+def test_calibration_batches_deterministic_shape_split(tiny_tokenizer):
+    a = calibration_batches(tiny_tokenizer, n_samples=6, seq_len=24, seed=3)
+    b = calibration_batches(tiny_tokenizer, n_samples=6, seq_len=24, seed=3)
+    c = calibration_batches(tiny_tokenizer, n_samples=6, seq_len=24, seed=4)
+    assert a.shape == (6, 24) and a.dtype == torch.long
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    calib = _stream(tiny_tokenizer, "calibration")
+    evaluation = _stream(tiny_tokenizer, "evaluation")
+    # the tiny tokenizer adds no BOS by default: windows are plain slices of the calibration stream
+    assert tiny_tokenizer("a")["input_ids"][0] != tiny_tokenizer.bos_token_id
+    for row in a.tolist():
+        assert _contains(calib, row)
+        assert not _contains(evaluation, row)
+
+
+def test_calibration_batches_bos(tiny_tokenizer):
+    bos = tiny_tokenizer.bos_token_id
+    with_bos = calibration_batches(tiny_tokenizer, n_samples=3, seq_len=16, add_bos=True)
+    assert with_bos.shape == (3, 16) and (with_bos[:, 0] == bos).all()
+    without = calibration_batches(tiny_tokenizer, n_samples=3, seq_len=16, add_bos=False)
+    assert not (without[:, 0] == bos).all()
+
+    class BosTokenizer:  # a tokenizer that adds BOS by default -> add_bos=None means yes
+        bos_token_id, eos_token_id = 7, 8
+
+        def __call__(self, text, add_special_tokens=True):
+            ids = [ord(ch) % 50 + 10 for ch in text]
+            return {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + ids}
+
+    out = calibration_batches(BosTokenizer(), dataset=["hello world " * 20], n_samples=2, seq_len=10)
+    assert (out[:, 0] == 7).all() and not (out[:, 1:] == 7).any()
+
+
+class CountingQuantizer(RTNLayerQuantizer):
+    """RTN codes, plus an accumulator that counts the rows (tokens) and calls each layer saw."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.seen = {}
+
+    def accumulator(self, linear):
+        class Acc:
+            rows = calls = 0
+
+            def add(self, x):
+                assert x.shape[-1] == linear.in_features
+                self.rows += x.reshape(-1, x.shape[-1]).shape[0]
+                self.calls += 1
+        return Acc()
+
+    def quantize(self, name, linear, accumulator):
+        self.seen[name] = (accumulator.rows, accumulator.calls)
+        return super().quantize(name, linear, accumulator)
+
+
+def _no_hooks(model):
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+        assert "forward" not in module.__dict__
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_blockwise_rtn_equals_quantize_model(arch, tiny_llama_dir, tiny_gemma3_dir, batches):
+    path = tiny_llama_dir if arch == "llama" else tiny_gemma3_dir
+    reference = quantize_model(_load(path), RECIPE, progress=False)
+    model = _load(path)
+    quantizer = CountingQuantizer(RECIPE.config)
+    qsd = quantize_blockwise(model, RECIPE, batches, quantizer, progress=False)
+    assert list(qsd.weights) == list(reference.weights) and len(qsd) > 0
+    for name, qw in qsd.weights.items():
+        ref = reference[name]
+        assert torch.equal(qw.codes, ref.codes) and torch.equal(qw.scale, ref.scale)
+        assert torch.equal(qw.zero, ref.zero)
+        assert qsd.errors[name] == pytest.approx(reference.errors[name])
+        # the model is left fake-quantized
+        assert torch.equal(model.get_submodule(name).weight, qw.dequantize(torch.float32))
+    assert [s.name for s in qsd.skipped] == [s.name for s in reference.skipped]
+    # every layer saw each sample once: n_samples calls, n_samples * seq_len rows
+    assert set(quantizer.seen) == set(qsd.weights)
+    assert all(v == (N * L, N) for v in quantizer.seen.values())
+    _no_hooks(model)
+
+
+def test_blockwise_fake_quant_model_runs_and_differs(tiny_gemma3_dir, batches):
+    model = _load(tiny_gemma3_dir)
+    before = model(input_ids=batches[:1]).logits
+    quantize_blockwise(model, RECIPE, batches, RTNLayerQuantizer(RECIPE.config), progress=False)
+    after = model(input_ids=batches[:1]).logits
+    assert torch.isfinite(after).all() and not torch.equal(before, after)
+    _no_hooks(model)
+
+
+class _Crash(Exception):
+    pass
+
+
+class CrashingQuantizer(RTNLayerQuantizer):
+    def __init__(self, config, crash_at=None):
+        super().__init__(config)
+        self.crash_at, self.quantized = crash_at, []
+
+    def quantize(self, name, linear, accumulator):
+        if self.crash_at is not None and name.startswith(self.crash_at):
+            raise _Crash(name)
+        self.quantized.append(name)
+        return super().quantize(name, linear, accumulator)
+
+    def fingerprint(self):
+        return super().fingerprint()  # the crash point is not part of the run's identity
+
+
+def test_resume_after_crash(tiny_gemma3_dir, batches, tmp_path):
+    full_model = _load(tiny_gemma3_dir)
+    full = quantize_blockwise(full_model, RECIPE, batches, RTNLayerQuantizer(RECIPE.config), progress=False)
+
+    blocks_name, _ = decoder_blocks(full_model)
+    state = tmp_path / "state"
+    crashed = CrashingQuantizer(RECIPE.config, crash_at=f"{blocks_name}.1.")
+    with pytest.raises(_Crash):
+        quantize_blockwise(_load(tiny_gemma3_dir), RECIPE, batches, crashed, progress=False, state_dir=state)
+    assert json.loads((state / "progress.json").read_text())["blocks_done"] == 1
+    assert all(n.startswith(f"{blocks_name}.0.") for n in crashed.quantized) and crashed.quantized
+
+    model = _load(tiny_gemma3_dir)
+    resumed_q = CrashingQuantizer(RECIPE.config)
+    resumed = quantize_blockwise(model, RECIPE, batches, resumed_q, progress=False, state_dir=state)
+    assert resumed_q.quantized and not any(n.startswith(f"{blocks_name}.0.") for n in resumed_q.quantized)
+    assert list(resumed.weights) == list(full.weights)
+    for name, qw in resumed.weights.items():
+        assert torch.equal(qw.codes, full[name].codes) and torch.equal(qw.scale, full[name].scale)
+    for (n1, p1), (n2, p2) in zip(model.named_parameters(), full_model.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), n1  # the same fake-quant model, block 0 restored from disk
+    _no_hooks(model)
+
+    # a finished run resumes to the same result without quantizing anything
+    again_q = CrashingQuantizer(RECIPE.config)
+    again = quantize_blockwise(_load(tiny_gemma3_dir), RECIPE, batches, again_q, progress=False, state_dir=state)
+    assert again_q.quantized == [] and list(again.weights) == list(full.weights)
+
+    # a different recipe must not reuse the state
+    with pytest.raises(ValueError, match="different run"):
+        quantize_blockwise(_load(tiny_gemma3_dir), QuantRecipe(bits=8, group_size=32), batches,
+                           RTNLayerQuantizer(QuantRecipe(bits=8, group_size=32).config), progress=False,
+                           state_dir=state)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_captured_inputs_match_full_forward(arch, tiny_llama_dir, tiny_gemma3_dir, batches):
+    """Block by block on the float model with the captured kwargs reproduces the model's own hidden states
+    (checks each block gets its own mask / rotary embeddings: Gemma 3 mixes sliding and full attention)."""
+    from toolkit.quant.calibrate import _capture, _run_block
+
+    model = _load(tiny_llama_dir if arch == "llama" else tiny_gemma3_dir)
+    _, blocks = decoder_blocks(model)
+    with torch.no_grad():
+        inputs, kwargs = _capture(model, blocks, batches, torch.device("cpu"))
+        assert len(inputs) == N and len(kwargs) == len(blocks)
+        _no_hooks(model)  # (output_hidden_states below makes transformers install hooks of its own)
+        states = [model(input_ids=batches[j:j + 1], output_hidden_states=True).hidden_states for j in range(N)]
+        for i, block in enumerate(blocks):
+            for j in range(N):
+                torch.testing.assert_close(inputs[j], states[j][i])
+            if i + 1 < len(blocks):
+                inputs = _run_block(block, inputs, kwargs[i])

@@ -1,0 +1,141 @@
+import warnings
+
+import pytest
+import torch
+
+from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
+from toolkit.quant.primitives import QuantConfig, dequantize
+from toolkit.quant.rtn import rtn_quantize
+
+OUT, IN, N = 64, 256, 1024
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(IN, IN, generator=g) / IN ** 0.5
+    x = torch.randn(N, IN, generator=g) @ a + 0.05 * torch.randn(N, IN, generator=g)  # correlated inputs
+    x = x * torch.linspace(0.2, 3.0, IN)[torch.randperm(IN, generator=g)]  # uneven channel importance
+    w = torch.randn(OUT, IN, generator=g) * 0.05
+    return x, w
+
+
+def _hessian(x):
+    acc = HessianAccumulator()
+    for chunk in x.reshape(4, -1, IN):  # batches of [tokens, in], some as 3-D
+        acc.add(chunk.reshape(2, -1, IN))
+    return acc
+
+
+def _out_err(x, w, w_hat):
+    return torch.linalg.norm(x @ w.t() - x @ w_hat.t()).item()
+
+
+def test_hessian_accumulator_is_running_average():
+    x, _ = _data()
+    acc = _hessian(x)
+    assert acc.samples == N
+    torch.testing.assert_close(acc.hessian, 2 / N * x.t() @ x, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("config", [QuantConfig(4, 32, True), QuantConfig(4, 32, False), QuantConfig(3, 128, True),
+                                    QuantConfig(3, -1, False)])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_beats_rtn(config, act_order):
+    x, w = _data()
+    h = _hessian(x).hessian
+    qw, loss = gptq_quantize(w, h, config, act_order=act_order)
+    rtn = rtn_quantize(w, config).dequantize()
+    err_gptq, err_rtn = _out_err(x, w, qw.dequantize()), _out_err(x, w, rtn)
+    assert err_gptq <= 0.8 * err_rtn, (err_gptq, err_rtn)
+    assert qw.codes.dtype == torch.uint8 and int(qw.codes.max()) <= config.maxq
+    assert qw.scale.shape == qw.zero.shape == (OUT, config.n_groups(IN)) and qw.zero.dtype == torch.int32
+    assert int(qw.zero.min()) >= 0 and int(qw.zero.max()) <= config.maxq
+    assert loss > 0
+
+
+def test_act_order_g_idx_and_reconstruction():
+    x, w = _data(1)
+    h = _hessian(x).hessian
+    config = QuantConfig(4, 32, True)
+    qw, _ = gptq_quantize(w, h, config, act_order=True, block_size=48)  # blocks not aligned to groups
+    perm = torch.argsort(torch.diag(h), descending=True)
+    assert qw.g_idx.dtype == torch.int32 and qw.g_idx.shape == (IN,)
+    assert torch.equal(qw.g_idx[perm].long(), torch.arange(IN) // 32)  # group of the quantization position
+    direct = (qw.codes.float() - qw.zero[:, qw.g_idx.long()].float()) * qw.scale[:, qw.g_idx.long()]
+    assert torch.equal(qw.dequantize(), direct)
+    # permuting columns into quantization order gives an ordinary group-wise layout
+    assert torch.equal(dequantize(qw.codes[:, perm], qw.scale, qw.zero, config), direct[:, perm])
+
+
+def test_static_groups_act_order():
+    x, w = _data(2)
+    h = _hessian(x).hessian
+    config = QuantConfig(4, 64, False)
+    qw, _ = gptq_quantize(w, h, config, act_order=True, static_groups=True)
+    assert torch.equal(qw.g_idx.long(), torch.arange(IN) // 64)
+    assert torch.equal(qw.dequantize(), dequantize(qw.codes, qw.scale, qw.zero, config))
+    assert _out_err(x, w, qw.dequantize()) <= 0.8 * _out_err(x, w, rtn_quantize(w, config).dequantize())
+    qs, _ = gptq_quantize(w, h, config, static_groups=True)  # without act_order: plain layout, RTN's qparams
+    assert qs.g_idx is None
+    rtn = rtn_quantize(w, config)
+    assert torch.equal(qs.scale, rtn.scale) and torch.equal(qs.zero, rtn.zero)
+
+
+def test_loss_matches_quadratic_objective():
+    x, w = _data(3)
+    h = _hessian(x).hessian
+    config = QuantConfig(4, 32, True)
+    damp = 0.01
+    qw, loss = gptq_quantize(w, h, config, damp_percent=damp, block_size=64)
+    hd = h.double() + damp * torch.mean(torch.diag(h)).double() * torch.eye(IN, dtype=torch.float64)
+    delta = (w - qw.dequantize()).double()
+    expected = 0.5 * torch.einsum("oi,ij,oj->", delta, hd, delta).item()
+    assert loss == pytest.approx(expected, rel=2e-3)
+
+
+def test_dead_column():
+    x, w = _data(4)
+    x[:, [5, 100]] = 0
+    h = _hessian(x).hessian
+    assert h[5, 5] == 0
+    for act_order in (False, True):
+        qw, loss = gptq_quantize(w, h, QuantConfig(4, 32, True), act_order=act_order)
+        wq = qw.dequantize()
+        assert torch.isfinite(wq).all() and torch.isfinite(torch.tensor(loss))
+        assert (wq[:, [5, 100]] == 0).all()
+
+
+def test_not_positive_definite_raises_damping():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, IN, generator=g)  # rank 16 < 256
+    h = 2 / 16 * x.t() @ x
+    h -= 1e-3 * torch.mean(torch.diag(h)) * torch.eye(IN)  # slightly negative eigenvalues
+    w = torch.randn(OUT, IN, generator=g)
+    with pytest.warns(RuntimeWarning, match="damp_percent=0.01"):
+        qw, loss = gptq_quantize(w, h, QuantConfig(4, 128, True), damp_percent=0.0)
+    assert torch.isfinite(qw.dequantize()).all() and loss >= 0
+    bad = -torch.eye(IN)
+    with pytest.raises(RuntimeError, match="not positive definite"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gptq_quantize(w, bad, QuantConfig(4, 128, True))
+
+
+def test_8bit_per_channel_and_bias():
+    x, w = _data(6)
+    h = _hessian(x).hessian
+    config = QuantConfig(8, -1, False)
+    bias = torch.randn(OUT)
+    qw, _ = gptq_quantize(w, h, config, bias=bias)
+    assert qw.scale.shape == (OUT, 1) and qw.g_idx is None
+    assert torch.equal(qw.bias, bias) and qw.bias is not bias
+    err = _out_err(x, w, qw.dequantize())
+    assert err <= _out_err(x, w, rtn_quantize(w, config).dequantize())
+    assert err < 0.01 * torch.linalg.norm(x @ w.t()).item()
+
+
+def test_bad_arguments():
+    w = torch.randn(8, 64)
+    with pytest.raises(ValueError, match="hessian"):
+        gptq_quantize(w, torch.eye(32), QuantConfig(4, 32))
+    with pytest.raises(ValueError, match="divisible"):
+        gptq_quantize(torch.randn(8, 96), torch.eye(96), QuantConfig(4, 64))

@@ -1,0 +1,389 @@
+"""Calibration data and the block-by-block driver that data-dependent quantizers (GPTQ, AWQ) run in.
+
+`calibration_batches` cuts deterministic token windows from a dataset's *calibration* split (never the
+evaluation split). `quantize_blockwise` walks the decoder blocks one at a time:
+
+1. Capture the inputs of decoder block 0 (one ``[1, seq_len, hidden]`` tensor per sample) and the keyword
+   arguments *every* block receives (attention mask, position embeddings, position ids, ...). Blocks may get
+   different kwargs (Gemma 3: sliding vs full attention masks, local vs global rotary embeddings), so the
+   capture pass hooks every block (forward pre-hook ``with_kwargs=True``), replaces each block's ``forward``
+   by the identity for that pass (nothing is computed) and stops the model by raising a private exception
+   at the last block. The kwargs are taken from the first sample: all windows have the same length and no
+   padding, so they are the same for every sample.
+2. For each block ``i``: forward hooks on its quantizable Linear layers feed each layer's input into the
+   accumulator ``layer_quantizer.accumulator(linear)`` made for it; the block runs over all inputs; each
+   layer is quantized with ``layer_quantizer.quantize(name, linear, accumulator)``; its dequantized weight is
+   written into the Linear (the block is now "fake-quantized"); the block runs again to produce the inputs of
+   block ``i + 1`` from the *quantized* block (GPTQ's sequential-across-blocks scheme).
+   Within a block all layers see the float block's inputs: "true sequential" inside a block (attention
+   projections first, then the MLP on the outputs of the quantized attention) is a TODO.
+
+Peak memory is about one block plus the activations (``n_samples`` hidden states, twice).
+
+**The model is modified**: its quantized Linear weights end up dequantized-quantized (a fake-quant float
+model, handy for evaluating quality). The returned `QuantizedStateDict` is the real output.
+
+Layer-quantizer protocol (two methods)::
+
+    accumulator(linear: nn.Linear) -> object | None
+        # a fresh per-layer statistics collector with ``add(x)`` (x: the layer's input, [..., in_features],
+        # detached), e.g. GPTQ's HessianAccumulator; None if the method needs no data (RTN: no hook at all)
+    quantize(name: str, linear: nn.Linear, accumulator) -> QuantizedWeight
+        # quantize ``linear.weight`` (still float) given what the accumulator saw
+
+Resumability: with ``state_dir``, after each block the driver saves that block's QuantizedWeights and the next
+block's inputs (``torch.save`` to a temporary file, then ``os.replace``) and a JSON progress record (recipe,
+model fingerprint, calibration-data hash, quantizer, blocks done). Restarting with the same ``state_dir`` and a
+matching record restores the finished blocks (their fake-quant weights go back into the model) and carries on
+from the first unfinished one; a record that does not match raises rather than mixing runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from toolkit.quant.model_quant import (
+    QuantizedStateDict,
+    QuantRecipe,
+    SkippedModule,
+    quantizable_linears,
+    quantize_model,
+    relative_error,
+)
+from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
+from toolkit.quant.primitives import QuantConfig
+from toolkit.quant.quantized_weight import QuantizedWeight
+from toolkit.quant.rtn import rtn_quantize
+
+__all__ = ["RTNLayerQuantizer", "calibration_batches", "decoder_blocks", "quantize_blockwise"]
+
+_STATE_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------- calibration data
+
+def _tokenizer_adds_bos(tokenizer) -> bool:
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return len(ids) > 0 and ids[0] == bos
+
+
+def calibration_batches(tokenizer, dataset="pydoc", n_samples: int = 128, seq_len: int = 512, seed: int = 0,
+                        add_bos: bool | None = None) -> torch.LongTensor:
+    """``[n_samples, seq_len]`` token windows from the calibration split of ``dataset``, deterministically.
+
+    ``dataset`` is a dataset name or path for `toolkit.data.load_text` (its ``"calibration"`` split), or
+    already-loaded texts (a ``datasets.Dataset`` with a ``text`` column, or a list of strings). The documents
+    are tokenized without special tokens and concatenated (separated by EOS when the tokenizer has one); window
+    starts are drawn with a ``torch.Generator`` seeded with ``seed``. With BOS (``add_bos=True``, or
+    ``add_bos=None`` and the tokenizer adds one by default) every window is ``[bos] + seq_len - 1 tokens``.
+    """
+    if n_samples < 1 or seq_len < 2:
+        raise ValueError(f"need n_samples >= 1 and seq_len >= 2, got {n_samples}, {seq_len}")
+    if isinstance(dataset, (str, os.PathLike)):
+        from toolkit.data import CALIBRATION, load_text
+
+        texts = load_text(dataset, split=CALIBRATION)["text"]
+    elif hasattr(dataset, "column_names"):
+        texts = dataset["text"]
+    else:
+        texts = list(dataset)
+    if add_bos is None:
+        add_bos = _tokenizer_adds_bos(tokenizer)
+    if add_bos and getattr(tokenizer, "bos_token_id", None) is None:
+        raise ValueError("add_bos=True but the tokenizer has no BOS token")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stream: list[int] = []
+    for text in texts:
+        if not text:
+            continue
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            stream.append(eos)
+    body = seq_len - 1 if add_bos else seq_len
+    if len(stream) < body:
+        raise ValueError(f"the calibration text has {len(stream)} tokens, fewer than one window of {body}")
+    tokens = torch.tensor(stream, dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - body + 1, (n_samples,), generator=generator)
+    windows = torch.stack([tokens[s:s + body] for s in starts.tolist()])
+    if add_bos:
+        windows = torch.cat([torch.full((n_samples, 1), tokenizer.bos_token_id, dtype=torch.long), windows], 1)
+    return windows
+
+
+# --------------------------------------------------------------------------------------------- layer quantizers
+
+class RTNLayerQuantizer:
+    """Round-to-nearest in the layer-quantizer protocol: no accumulator (no data), `rtn_quantize` the weight."""
+
+    def __init__(self, config: QuantConfig):
+        self.config = config
+
+    def accumulator(self, linear: nn.Linear):
+        return None
+
+    def quantize(self, name: str, linear: nn.Linear, accumulator) -> QuantizedWeight:
+        return rtn_quantize(linear.weight, self.config, linear.bias)
+
+    def fingerprint(self) -> dict:
+        return {"method": "rtn", "config": dataclasses.asdict(self.config)}
+
+
+# --------------------------------------------------------------------------------------------- the driver
+
+class _StopForward(Exception):
+    """Raised by the capture hook to stop the model's forward once every block's inputs are known."""
+
+
+def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(name, blocks)``: the model's stack of decoder blocks (the largest ``nn.ModuleList`` by parameters)."""
+    best = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            size = sum(p.numel() for p in module.parameters())
+            if best is None or size > best[2]:
+                best = (name, module, size)
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of decoder blocks")
+    return best[0], best[1]
+
+
+def _output_hidden(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    raise TypeError(f"decoder block returned {type(out).__name__}; expected a tensor or a tuple")
+
+
+@torch.no_grad()
+def _capture(model, blocks: nn.ModuleList, batches: torch.Tensor, device) -> tuple[list, list[dict]]:
+    """Inputs of block 0 (one per sample, on ``device``) and each block's kwargs (from the first sample)."""
+    inputs: list[torch.Tensor] = []
+    kwargs_per_block: list[dict | None] = [None] * len(blocks)
+    handles = []
+    current = {"sample": 0}
+
+    def make_hook(i):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if i == 0:
+                inputs.append(hidden.detach())
+            if current["sample"] == 0:
+                kwargs_per_block[i] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            if i == len(blocks) - 1 or current["sample"] > 0:  # later samples only need block 0's input
+                raise _StopForward
+        return hook
+
+    def identity(*args, **kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+    try:
+        for i, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(make_hook(i), with_kwargs=True))
+            block.forward = identity  # instance attribute: nn.Module.__call__ runs it instead of the class's
+        for j in range(batches.shape[0]):
+            current["sample"] = j
+            try:
+                model(input_ids=batches[j:j + 1].to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+        for block in blocks:
+            block.__dict__.pop("forward", None)
+    if len(inputs) != batches.shape[0] or any(k is None for k in kwargs_per_block):
+        raise RuntimeError("could not capture the decoder blocks' inputs (does the model call its blocks?)")
+    return inputs, kwargs_per_block
+
+
+def _run_block(block, inputs, kwargs) -> list[torch.Tensor]:
+    return [_output_hidden(block(x, **kwargs)).detach() for x in inputs]
+
+
+def _model_fingerprint(model) -> dict:
+    config = getattr(model, "config", None)
+    text = config.to_json_string(use_diff=False) if config is not None and hasattr(config, "to_json_string") else ""
+    return {"class": type(model).__name__, "name": getattr(config, "name_or_path", None) or "",
+            "config_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def _qw_to_dict(qw: QuantizedWeight) -> dict:
+    return {"codes": qw.codes.cpu(), "scale": qw.scale.cpu(), "zero": qw.zero.cpu(),
+            "bias": None if qw.bias is None else qw.bias.cpu(),
+            "g_idx": None if qw.g_idx is None else qw.g_idx.cpu(), "config": dataclasses.asdict(qw.config)}
+
+
+def _qw_from_dict(d: dict, device) -> QuantizedWeight:
+    def to(t):
+        return None if t is None else t.to(device)
+    return QuantizedWeight(codes=to(d["codes"]), scale=to(d["scale"]), zero=to(d["zero"]),
+                           config=QuantConfig(**d["config"]), bias=to(d["bias"]), g_idx=to(d["g_idx"]))
+
+
+def _atomic_save(obj, path: Path):
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_json(obj, path: Path):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _set_weight(linear: nn.Linear, qw: QuantizedWeight):
+    linear.weight.data.copy_(qw.dequantize(torch.float32).to(device=linear.weight.device,
+                                                             dtype=linear.weight.dtype))
+
+
+@torch.no_grad()
+def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Tensor, layer_quantizer,
+                       progress: bool = True, state_dir: str | os.PathLike | None = None) -> QuantizedStateDict:
+    """Quantize the decoder blocks' Linear layers one block at a time on calibration ``batches`` [n, seq_len].
+
+    See the module docstring for the scheme, the layer-quantizer protocol and resuming from ``state_dir``.
+    Quantizable Linear layers outside the decoder blocks are left in float and listed in ``skipped``.
+    The model's quantized Linear weights are left fake-quantized (dequantized codes) on return.
+    """
+    from tqdm import tqdm
+
+    if batches.dim() != 2:
+        raise ValueError(f"batches must be [n_samples, seq_len], got shape {tuple(batches.shape)}")
+    blocks_name, blocks = decoder_blocks(model)
+    linears, skipped = quantizable_linears(model, recipe)
+    block_of: dict[str, int] = {}
+    per_block: list[dict[str, nn.Linear]] = [{} for _ in blocks]
+    for name, linear in linears.items():
+        prefix = blocks_name + "."
+        index = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
+        if index.isdigit() and int(index) < len(blocks):
+            block_of[name] = int(index)
+            per_block[int(index)][name] = linear
+        else:
+            skipped.append(SkippedModule(name, "outside the decoder blocks (blockwise calibration covers only them)"))
+    device = next(model.parameters()).device
+
+    state = None
+    done = 0
+    saved_inputs = None
+    weights: dict[str, QuantizedWeight] = {}
+    errors: dict[str, float] = {}
+    if state_dir is not None:
+        state = Path(state_dir)
+        state.mkdir(parents=True, exist_ok=True)
+        fingerprint = getattr(layer_quantizer, "fingerprint", None)
+        record = {"version": _STATE_VERSION, "recipe": recipe.to_dict(), "model": _model_fingerprint(model),
+                  "n_blocks": len(blocks), "batches_sha256": hashlib.sha256(batches.cpu().numpy().tobytes())
+                  .hexdigest() + f":{tuple(batches.shape)}",
+                  "quantizer": fingerprint() if callable(fingerprint) else type(layer_quantizer).__name__}
+        progress_file = state / "progress.json"
+        if progress_file.exists():
+            old = json.loads(progress_file.read_text())
+            old_done = old.pop("blocks_done", 0)
+            if old != json.loads(json.dumps(record)):
+                raise ValueError(f"{progress_file} belongs to a different run (recipe, model, data or quantizer "
+                                 f"differ); use another state_dir or delete it")
+            done = old_done
+        for i in range(done):  # restore finished blocks: their QuantizedWeights and their fake-quant weights
+            saved = torch.load(state / f"block_{i:04d}.pt", weights_only=True)
+            for name, d in saved["weights"].items():
+                qw = _qw_from_dict(d, device)
+                weights[name] = qw
+                errors[name] = saved["errors"][name]
+                _set_weight(per_block[i][name], qw)
+        if 0 < done < len(blocks):
+            saved_inputs = torch.load(state / f"inputs_{done:04d}.pt", weights_only=True)
+            saved_inputs = [x.to(device) for x in saved_inputs]
+
+    if done < len(blocks):
+        inputs, block_kwargs = _capture(model, blocks, batches, device)
+        if saved_inputs is not None:
+            inputs = saved_inputs
+        with tqdm(range(done, len(blocks)), desc=f"blockwise {recipe.method} int{recipe.bits}", unit="block",
+                  disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+            for i in bar:
+                block, kwargs = blocks[i], block_kwargs[i]
+                accumulators = {name: layer_quantizer.accumulator(lin) for name, lin in per_block[i].items()}
+                handles = []
+                try:
+                    for name, lin in per_block[i].items():
+                        acc = accumulators[name]
+                        if acc is not None:
+                            handles.append(lin.register_forward_hook(
+                                lambda m, args, out, acc=acc: acc.add(args[0].detach())))
+                    if handles:
+                        _run_block(block, inputs, kwargs)
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                block_weights = {}
+                for name, lin in per_block[i].items():
+                    qw = layer_quantizer.quantize(name, lin, accumulators[name])
+                    errors[name] = relative_error(lin.weight, qw)
+                    block_weights[name] = qw
+                    accumulators[name] = None  # free (a Hessian is in_features² floats)
+                    bar.set_postfix_str(f"{name} rel_err={errors[name]:.4f}", refresh=True)
+                for name, qw in block_weights.items():
+                    _set_weight(per_block[i][name], qw)
+                weights.update(block_weights)
+                del accumulators
+                if i + 1 < len(blocks):
+                    inputs = _run_block(block, inputs, kwargs)  # the next block's inputs, from the quantized block
+                if state is not None:
+                    _atomic_save({"weights": {n: _qw_to_dict(q) for n, q in block_weights.items()},
+                                  "errors": {n: errors[n] for n in block_weights}}, state / f"block_{i:04d}.pt")
+                    if i + 1 < len(blocks):
+                        _atomic_save([x.cpu() for x in inputs], state / f"inputs_{i + 1:04d}.pt")
+                    _atomic_json({**record, "blocks_done": i + 1}, progress_file)
+                    (state / f"inputs_{i:04d}.pt").unlink(missing_ok=True)
+        del inputs
+
+    ordered = {name: weights[name] for name in linears if name in weights}
+    return QuantizedStateDict(weights=ordered, recipe=recipe, skipped=skipped,
+                              errors={name: errors[name] for name in ordered})
+
+
+class GPTQLayerQuantizer:
+    """GPTQ in the layer-quantizer protocol: a Hessian of each layer's inputs, then `gptq_quantize`."""
+
+    def __init__(self, recipe: QuantRecipe):
+        self.recipe = recipe
+
+    def accumulator(self, linear: nn.Linear):
+        return HessianAccumulator(linear.in_features)  # flattens [..., in] inputs to rows itself
+
+    def quantize(self, name: str, linear: nn.Linear, accumulator) -> QuantizedWeight:
+        r = self.recipe
+        qw, _loss = gptq_quantize(linear.weight, accumulator.hessian, r.config, damp_percent=r.damp_percent,
+                                  block_size=r.block_size, act_order=r.act_order, static_groups=r.static_groups,
+                                  bias=linear.bias)
+        return qw
+
+    def fingerprint(self) -> dict:
+        r = self.recipe
+        return {"method": "gptq", "config": dataclasses.asdict(r.config), "damp_percent": r.damp_percent,
+                "block_size": r.block_size, "act_order": r.act_order, "static_groups": r.static_groups}
+
+
+def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, progress: bool = True,
+                              state_dir: str | os.PathLike | None = None) -> QuantizedStateDict:
+    """The one entry point for `specquant quantize`: RTN needs no data; GPTQ calibrates block by block."""
+    if recipe.method == "rtn":
+        return quantize_model(model, recipe, progress=progress)
+    batches = calibration_batches(tokenizer, recipe.dataset, recipe.n_samples, recipe.seq_len)
+    return quantize_blockwise(model, recipe, batches, GPTQLayerQuantizer(recipe), progress=progress,
+                              state_dir=state_dir)
