@@ -12,7 +12,7 @@ import sys
 COMMANDS = {
     "generate": "continue a prompt (streamed), with TTFT and inter-token latencies",
     "bench": "prefill and decode latency against transformers generate(), interleaved; JSON out",
-    "quantize": "quantize Linear weights (RTN now; GPTQ/AWQ to come) and write a checkpoint for model=DIR",
+    "quantize": "quantize Linear weights (RTN, GPTQ; AWQ to come) and write a checkpoint for model=DIR",
     "models": "list | fetch | verify offline models and the local cache",
     "data": "list | fetch | show offline text datasets and their splits",
     "demo": "fetch the default model, generate, benchmark, and print what was measured",
