@@ -156,3 +156,13 @@ def test_gptq_beats_rtn_on_smollm2_held_out_text(smollm2):
             logp = model(ids).logits.log_softmax(-1)
         kl[method] = torch.nn.functional.kl_div(logp, ref, log_target=True, reduction="none").sum(-1).mean().item()
     assert kl["gptq"] < 0.75 * kl["rtn"], kl
+
+
+def test_quality_check_of_a_model_against_itself_is_exact(tiny_model):
+    from toolkit.bench.quality import compare
+
+    model, tok = tiny_model
+    ids = torch.tensor([tok("The syntax of a function definition is as follows").input_ids])
+    r = compare(model, model, ids)
+    assert r["kl"] == pytest.approx(0, abs=1e-6) and r["top1_agreement"] == 1.0
+    assert r["perplexity"] == pytest.approx(r["reference_perplexity"])
