@@ -45,3 +45,25 @@ def xxh3_file(path: str | os.PathLike) -> str:
             return xxhash.xxh3_128(b"").hexdigest()
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
             return xxhash.xxh3_128(view).hexdigest()
+
+
+def checksum_files(root: Path, exclude: set[str] = frozenset()) -> dict[str, dict]:
+    """{relative posix path: {size, xxh3_128}} for every file under root except the top-level names in exclude:
+    what a manifest records so a later load can tell a complete directory from a damaged one."""
+    out = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel not in exclude:
+            out[rel] = {"size": path.stat().st_size, "xxh3_128": xxh3_file(path)}
+    return out
+
+
+def file_problem(path: Path, record: dict, hashed: bool = True) -> str | None:
+    """What is wrong with `path` against its manifest record ({size, xxh3_128}), or None if nothing is."""
+    if not path.is_file():
+        return "is missing"
+    if (size := path.stat().st_size) != record["size"]:
+        return f"has {size} bytes, the manifest says {record['size']} (truncated?)"
+    if hashed and xxh3_file(path) != record["xxh3_128"]:
+        return "does not match its recorded xxh3_128 checksum (corrupt)"
+    return None

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import ModelError
-from ..fileio import write_json_atomic, xxh3_file
+from ..fileio import checksum_files, file_problem, write_json_atomic
 from ..paths import models_dir
 from .atomic_dir import write_dir_atomic
 from .fetch_errors import refetch_fix
@@ -110,25 +110,8 @@ def list_models() -> list[dict]:
     return rows
 
 
-def checksum_files(root: Path, exclude: set[str] = frozenset()) -> dict[str, dict]:
-    """{relative posix path: {size, xxh3_128}} for every file under root except the top-level names in exclude."""
-    out = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        if rel not in exclude:
-            out[rel] = {"size": path.stat().st_size, "xxh3_128": xxh3_file(path)}
-    return out
-
-
 def _check_file(entry_dir: Path, rel: str, record: dict, name: str, hashed: bool) -> None:
-    path = entry_dir / rel
-    problem = None
-    if not path.is_file():
-        problem = "is missing"
-    elif (size := path.stat().st_size) != record["size"]:
-        problem = f"has {size} bytes, the manifest says {record['size']} (truncated?)"
-    elif hashed and xxh3_file(path) != record["xxh3_128"]:
-        problem = "does not match its recorded xxh3_128 checksum"
+    problem = file_problem(entry_dir / rel, record, hashed)
     if problem:
         raise ModelError(f"cache entry {entry_dir} is corrupt/truncated: file {rel} {problem}", refetch_fix(name))
 

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import ModelError
-from toolkit.fileio import write_json_atomic, xxh3_file
+from toolkit.fileio import checksum_files, file_problem, write_json_atomic
 from toolkit.models.atomic_dir import remove_abandoned_temps, write_dir_atomic
 from toolkit.quant.model_quant import QuantizedStateDict, QuantRecipe, SkippedModule
 from toolkit.quant.primitives import QuantConfig, pack_int4_rows, unpack_int4_rows
@@ -90,7 +90,7 @@ def save_quantized(out_dir: str | Path, model: nn.Module, qsd: QuantizedStateDic
             "modules": modules,
             "skipped": [{"name": s.name, "reason": s.reason} for s in qsd.skipped],
             "aliases": aliases,
-            "files": _checksum_files(tmp),
+            "files": checksum_files(tmp, exclude={MANIFEST}),
         }
         write_json_atomic(tmp / MANIFEST, manifest)
 
@@ -170,15 +170,6 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def _checksum_files(root: Path) -> dict[str, dict]:
-    out = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        if rel != MANIFEST:
-            out[rel] = {"size": path.stat().st_size, "xxh3_128": xxh3_file(path)}
-    return out
-
-
 def _versions() -> dict:
     from toolkit import __version__
 
@@ -232,14 +223,7 @@ def verify_quantized(path: str | Path, manifest: dict | None = None) -> dict:
         if required not in manifest["files"]:
             raise ModelError(f"{path}/{MANIFEST} does not list {required}", _rebuild_fix(path, manifest))
     for rel, record in manifest["files"].items():
-        file = path / rel
-        problem = None
-        if not file.is_file():
-            problem = "is missing"
-        elif (size := file.stat().st_size) != record["size"]:
-            problem = f"has {size} bytes, the manifest says {record['size']} (truncated?)"
-        elif xxh3_file(file) != record["xxh3_128"]:
-            problem = "does not match its recorded xxh3_128 checksum (corrupt)"
+        problem = file_problem(path / rel, record)
         if problem:
             raise ModelError(f"quantized checkpoint {path} is damaged: file {rel} {problem}",
                              _rebuild_fix(path, manifest))
