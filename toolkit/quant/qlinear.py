@@ -49,6 +49,17 @@ rows int8 dequant+fp32 is 1.08x faster than the kernel and int4 about even (0.96
 path more (the fixed cost is spread). In a quieter earlier run the dequantization cost half as much and the
 crossovers were ~48 (int4) and ~32 (int8) rows: the thresholds are machine- and load-dependent. Compared with the
 ~1.6x that fp32 ``F.linear`` has over the kernels at 128 rows when a float weight is held, little is left here.
+
+Re-measured on the quiet machine (same command), the crossovers are where the thresholds now sit::
+
+    rows                            1     4    16    32    48    64   128
+    int4 kernel (bf16 act)         82   104   357   694  1035  1370  2757
+    int4 dequant + fp32 F.linear  571   671   748   905  1066  1194  1827
+    int8 kernel (bf16 act)         54   102   352   710  1013  1349  2710
+    int8 dequant + fp32 F.linear  234   423   544   691   829  1034  1600
+
+The loaded-machine thresholds (128 / 96) kept a 127-token prefill on the kernel: TTFT 404 ms against 269 ms for
+fp32 on SmolLM2.
 """
 
 from __future__ import annotations
@@ -69,7 +80,7 @@ from toolkit.quant.kernels import (
 from toolkit.quant.primitives import pack_int4_rows
 from toolkit.quant.quantized_weight import QuantizedWeight
 
-KERNEL_MAX_ROWS = {"int4pack": 128, "int8pack": 96}
+KERNEL_MAX_ROWS = {"int4pack": 48, "int8pack": 32}
 """Products with fewer rows than this run the low-bit kernel; from it on, dequantize + fp32 F.linear. From the
 medians in the module docstring: int4 at 128 rows 2768 (kernel) vs 2890 us, i.e. about even, so the fp32 path starts at
 128; int8 at 64 rows 1365 vs 1462 us and at 128 rows 2732 vs 2541 us, crossover ~96. Far above the engine's
