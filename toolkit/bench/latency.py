@@ -61,13 +61,13 @@ def summarize(timings: list[GenerationTiming], peak_rss_mb: float, **extra) -> d
 
 
 def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[list[int]], new_tokens: int,
-                      repeats: int, warmup: int, bandwidth: float) -> dict:
+                      repeats: int, warmup: int, bandwidth: float, kv=None) -> dict:
     """Time the engine on `engine_model` and transformers' generate() on `reference_model` (None: no baseline),
-    both already in their dtypes, on token-id prompts."""
+    both already in their dtypes, on token-id prompts. `kv`: the engine's KV cache config (see toolkit.kv)."""
     if repeats < 1 or new_tokens < 2:
         raise InputError("bench needs repeats >= 1 and new_tokens >= 2 (one inter-token latency at least)",
                          "raise repeats / new_tokens")
-    paths = {"engine": lambda ids: _engine_run(engine_model, tokenizer, ids, new_tokens)}
+    paths = {"engine": lambda ids: _engine_run(engine_model, tokenizer, ids, new_tokens, kv)}
     if reference_model is not None:
         paths["baseline"] = lambda ids: hf_generate_timed(reference_model, ids, new_tokens)
 
@@ -109,8 +109,8 @@ def _path_summary(model, timings, peak_mb, mean_context, bandwidth, **extra) -> 
     return summary
 
 
-def _engine_run(model, tokenizer, ids: list[int], new_tokens: int):
-    out = generate(model, tokenizer, [ids], new_tokens, stop_tokens=set())
+def _engine_run(model, tokenizer, ids: list[int], new_tokens: int, kv=None):
+    out = generate(model, tokenizer, [ids], new_tokens, stop_tokens=set(), kv=kv)
     return out.sequences[0].token_ids, out.timing
 
 

@@ -19,7 +19,7 @@ console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tokens: int, n_prompts: int,
-          repeats: int, warmup: int, baseline: str, baseline_dtype: str, config: dict) -> dict:
+          repeats: int, warmup: int, baseline: str, baseline_dtype: str, config: dict, kv=None) -> dict:
     """Load once, build prompts, time both paths; returns the result record (also used by `demo`)."""
     from toolkit.data import build_prompts
     from toolkit.models import load_model
@@ -46,7 +46,7 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
     with console.status(f"timing {len(prompt_ids)} prompts x {repeats} repeats, engine"
                         + (" and transformers generate() interleaved" if reference is not None else "")):
         figures = run_latency_bench(loaded.model, loaded.tokenizer, reference, prompt_ids, new_tokens, repeats,
-                                    warmup, machine["memory_bandwidth_gbs"] * 1e9)
+                                    warmup, machine["memory_bandwidth_gbs"] * 1e9, kv=kv)
     figures = {"model": loaded.name, "prompts": prompts, "threads": threads, **figures}
     return make_result("bench", config, figures, machine)
 
@@ -81,7 +81,7 @@ def print_table(result: dict) -> None:
 def run(cfg) -> dict:
     result = bench(cfg.model.name, cfg.engine, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens, cfg.n_prompts,
                    cfg.repeats, cfg.warmup, cfg.baseline, cfg.baseline_dtype,
-                   OmegaConf.to_container(cfg, resolve=True))
+                   OmegaConf.to_container(cfg, resolve=True), kv=cfg.kv)
     print_table(result)
     if cfg.out:
         console.print(f"wrote {write_result(cfg.out, result)}")

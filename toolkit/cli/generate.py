@@ -47,7 +47,7 @@ def run(cfg) -> dict:
     if streaming:
         sys.stdout.write(texts[0] if not cfg.chat else "")
     result = generate(loaded.model, loaded.tokenizer, texts, cfg.new_tokens, sampling,
-                      stop_strings=list(cfg.stop), on_token=on_token if streaming else None)
+                      stop_strings=list(cfg.stop), on_token=on_token if streaming else None, kv=cfg.kv)
     if streaming:
         sys.stdout.write("\n")
     else:

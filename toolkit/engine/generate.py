@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.kv_cache import ContiguousKVCache
 from toolkit.engine.precision import exact_linears, may_overflow
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.engine.timing import GenerationTiming, Stopwatch
@@ -156,8 +155,11 @@ def validate_request(model, prompt_lengths: list[int], new_tokens: int) -> None:
 
 def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParams = SamplingParams(),
              stop_strings: Sequence[str] = (), stop_tokens: set[int] | None = None,
-             on_token: TokenCallback | None = None) -> GenerationResult:
-    """Generate up to `new_tokens` tokens for each prompt (text or token ids), timing prefill and every decode step."""
+             on_token: TokenCallback | None = None, kv=None) -> GenerationResult:
+    """Generate up to `new_tokens` tokens for each prompt (text or token ids), timing prefill and every decode step.
+    `kv`: the KV cache config (a `kv` group node, a kind name, or None for full precision; see toolkit.kv)."""
+    from toolkit.kv import make_kv_cache
+
     encoded = encode_prompts(tokenizer, prompts)
     validate_request(model, [len(ids) for ids in encoded], new_tokens)
     stop_tokens = stop_token_ids(model, tokenizer) if stop_tokens is None else set(stop_tokens)
@@ -166,7 +168,7 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
     input_ids, mask = (t.to(device) for t in left_pad(encoded, pad_id))
     batch, width = input_ids.shape
     padded = bool((mask == 0).any())
-    cache = ContiguousKVCache.for_model(model, width + new_tokens)
+    cache = make_kv_cache(model, width + new_tokens, kv)
     generator = sampling.generator(device)
     detok = [_Detokenizer(tokenizer, stop_strings) for _ in range(batch)] if (on_token or stop_strings) else None
 
