@@ -10,13 +10,17 @@ evaluation split). `quantize_blockwise` walks the decoder blocks one at a time:
    by the identity for that pass (nothing is computed) and stops the model by raising a private exception
    at the last block. The kwargs are taken from the first sample: all windows have the same length and no
    padding, so they are the same for every sample.
-2. For each block ``i``: forward hooks on its quantizable Linear layers feed each layer's input into the
-   accumulator ``layer_quantizer.accumulator(linear)`` made for it; the block runs over all inputs; each
-   layer is quantized with ``layer_quantizer.quantize(name, linear, accumulator)``; its dequantized weight is
-   written into the Linear (the block is now "fake-quantized"); the block runs again to produce the inputs of
-   block ``i + 1`` from the *quantized* block (GPTQ's sequential-across-blocks scheme).
-   Within a block all layers see the float block's inputs: "true sequential" inside a block (attention
-   projections first, then the MLP on the outputs of the quantized attention) is a TODO.
+2. For each block ``i``, its quantizable Linear layers in *stages* (`_stages`): with ``recipe.true_sequential``
+   (GPTQ's default) q,k,v | o | gate,up | down, else one stage. For each stage the block runs over all inputs
+   with forward pre-hooks feeding each layer's input into ``layer_quantizer.accumulator(linear)`` (layers fed
+   the very same tensor share one accumulator: one Hessian for q,k,v, not three); a stage that is not the
+   last stops the forward once its layers have their inputs. Each layer is quantized with
+   ``layer_quantizer.quantize(name, linear, accumulator)`` and its dequantized weight written into the Linear
+   at once, so later stages see their inputs through the already-quantized sublayers (true sequential).
+   A quantizer with ``prepare_block`` (AWQ) gets the block, its Linears, accumulators and the norm feeding each
+   Linear first (scale search and fold); it always runs as one stage, since it folds scales into v/up.
+   Then the block runs again to produce the inputs of block ``i + 1`` from the *quantized* block (GPTQ's
+   sequential-across-blocks scheme).
 
 Peak memory is about one block plus the activations (``n_samples`` hidden states, twice).
 
@@ -58,12 +62,13 @@ from toolkit.quant.model_quant import (
     quantize_model,
     relative_error,
 )
+from toolkit.quant.awq import AWQLayerQuantizer, AWQOptions
 from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
 from toolkit.quant.primitives import QuantConfig
 from toolkit.quant.quantized_weight import QuantizedWeight
 from toolkit.quant.rtn import rtn_quantize
 
-__all__ = ["RTNLayerQuantizer", "calibration_batches", "decoder_blocks", "quantize_blockwise"]
+__all__ = ["GPTQLayerQuantizer", "RTNLayerQuantizer", "layer_quantizer_for", "calibration_batches", "decoder_blocks", "quantize_blockwise"]
 
 _STATE_VERSION = 1
 
@@ -209,6 +214,92 @@ def _capture(model, blocks: nn.ModuleList, batches: torch.Tensor, device) -> tup
     return inputs, kwargs_per_block
 
 
+# The order a Llama/Qwen/Gemma decoder block runs its Linears in; each stage's inputs depend only on earlier ones.
+_STAGE_OF = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
+
+
+def _stages(linears: dict[str, nn.Linear], sequential: bool) -> list[list[str]]:
+    """The block's Linear names in quantization stages: one stage, or (``sequential``) q,k,v | o | gate,up |
+    down. A block with a Linear of another name gets one stage: its order is unknown, so none is assumed."""
+    names = list(linears)
+    suffixes = [name.rsplit(".", 1)[-1] for name in names]
+    if not sequential or not names or any(s not in _STAGE_OF for s in suffixes):
+        return [names] if names else []
+    stages: dict[int, list[str]] = {}
+    for name, suffix in zip(names, suffixes):
+        stages.setdefault(_STAGE_OF[suffix], []).append(name)
+    return [stages[k] for k in sorted(stages)]
+
+
+@torch.no_grad()
+def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantizer, stop_early: bool):
+    """Run ``block`` over ``inputs`` feeding each Linear's input to its accumulator; ``(accumulators, producers)``.
+
+    Linears that receive the very same tensor (q,k,v; gate,up) share ONE accumulator: one Hessian, not three.
+    With ``stop_early`` the block's forward is cut (a private exception) once every Linear has its input, so
+    an early stage costs a partial forward. ``producers`` (for quantizers with ``needs_producers``) maps a
+    Linear's name to the block's norm module whose output tensor IS that Linear's input (from the first sample).
+    """
+    accumulators: dict[str, object] = {}
+    fresh = {name: layer_quantizer.accumulator(lin) for name, lin in linears.items()}
+    if all(acc is None for acc in fresh.values()):
+        return fresh, {}
+    want_producers = getattr(layer_quantizer, "needs_producers", False)
+    norm_outputs: dict[str, torch.Tensor] = {}
+    producers: dict[str, nn.Module] = {}
+    seen: dict[str, torch.Tensor] = {}  # this sample: name -> the input tensor it got
+    handles = []
+
+    def make_hook(name):
+        def hook(module, args):
+            x = args[0]
+            if name not in accumulators:  # first sample: share with a layer that got this same tensor
+                same = next((other for other, t in seen.items() if t is x), None)
+                accumulators[name] = accumulators[same] if same is not None else fresh[name]
+                if want_producers:
+                    producer = next((n for n, t in norm_outputs.items() if t is x), None)
+                    if producer is not None:
+                        producers[name] = block.get_submodule(producer)
+            if not any(t is x and accumulators[other] is accumulators[name] for other, t in seen.items()):
+                accumulators[name].add(x.detach())
+            seen[name] = x
+            if stop_early and len(seen) == len(linears):
+                raise _StopForward
+        return hook
+
+    def norm_hook(name):
+        def hook(module, args, out):
+            norm_outputs[name] = out
+        return hook
+
+    try:
+        for name, lin in linears.items():
+            handles.append(lin.register_forward_pre_hook(make_hook(name)))
+        if want_producers:
+            for name, module in block.named_modules():
+                if "norm" in name.rsplit(".", 1)[-1] and not list(module.children()):
+                    handles.append(module.register_forward_hook(norm_hook(name)))
+        for x in inputs:
+            seen.clear()
+            norm_outputs.clear()
+            try:
+                block(x, **kwargs)
+            except _StopForward:
+                pass
+            if want_producers:  # only the first sample decides producers: stop recording norm outputs
+                for handle in handles[len(linears):]:
+                    handle.remove()
+                del handles[len(linears):]
+                want_producers = False
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [name for name in linears if name not in accumulators]
+    if missing:
+        raise RuntimeError(f"the block never called {', '.join(missing)} during calibration")
+    return accumulators, producers
+
+
 def _run_block(block, inputs, kwargs) -> list[torch.Tensor]:
     return [_output_hidden(block(x, **kwargs)).detach() for x in inputs]
 
@@ -276,6 +367,9 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
         else:
             skipped.append(SkippedModule(name, "outside the decoder blocks (blockwise calibration covers only them)"))
     device = next(model.parameters()).device
+    # true sequential (GPTQ): quantize a block's Linears in stages, each on inputs recomputed through the
+    # already-quantized earlier stages. AWQ folds scales into up/v, which must still be float: one stage.
+    sequential = recipe.true_sequential and not hasattr(layer_quantizer, "prepare_block")
 
     state = None
     done = 0
@@ -317,30 +411,25 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                   disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
             for i in bar:
                 block, kwargs = blocks[i], block_kwargs[i]
-                accumulators = {name: layer_quantizer.accumulator(lin) for name, lin in per_block[i].items()}
-                handles = []
-                try:
-                    for name, lin in per_block[i].items():
-                        acc = accumulators[name]
-                        if acc is not None:
-                            handles.append(lin.register_forward_hook(
-                                lambda m, args, out, acc=acc: acc.add(args[0].detach())))
-                    if handles:
-                        _run_block(block, inputs, kwargs)
-                finally:
-                    for handle in handles:
-                        handle.remove()
                 block_weights = {}
-                for name, lin in per_block[i].items():
-                    qw = layer_quantizer.quantize(name, lin, accumulators[name])
-                    errors[name] = relative_error(lin.weight, qw)
-                    block_weights[name] = qw
-                    accumulators[name] = None  # free (a Hessian is in_features² floats)
-                    bar.set_postfix_str(f"{name} rel_err={errors[name]:.4f}", refresh=True)
-                for name, qw in block_weights.items():
-                    _set_weight(per_block[i][name], qw)
+                stages = _stages(per_block[i], sequential)
+                for k, stage in enumerate(stages):
+                    stage_linears = {name: per_block[i][name] for name in stage}
+                    # an earlier stage needs its layers' inputs only: the forward stops once all have fired
+                    accumulators, producers = _collect(block, inputs, kwargs, stage_linears, layer_quantizer,
+                                                       stop_early=k + 1 < len(stages))
+                    prepare = getattr(layer_quantizer, "prepare_block", None)
+                    if prepare is not None:  # AWQ: scale search and fold over the whole block, before rounding
+                        prepare(block, stage_linears, accumulators, producers)
+                    for name, lin in stage_linears.items():
+                        qw = layer_quantizer.quantize(name, lin, accumulators[name])
+                        errors[name] = relative_error(lin.weight, qw)
+                        block_weights[name] = qw
+                        accumulators[name] = None  # free (a Hessian is in_features² floats)
+                        bar.set_postfix_str(f"{name} rel_err={errors[name]:.4f}", refresh=True)
+                        _set_weight(lin, qw)  # later stages see this layer quantized (true sequential)
+                    del accumulators
                 weights.update(block_weights)
-                del accumulators
                 if i + 1 < len(blocks):
                     inputs = _run_block(block, inputs, kwargs)  # the next block's inputs, from the quantized block
                 if state is not None:
@@ -381,9 +470,24 @@ class GPTQLayerQuantizer:
 
 def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, progress: bool = True,
                               state_dir: str | os.PathLike | None = None) -> QuantizedStateDict:
-    """The one entry point for `specquant quantize`: RTN needs no data; GPTQ calibrates block by block."""
+    """The one entry point for `specquant quantize`: RTN needs no data; GPTQ and AWQ calibrate block by block."""
     if recipe.method == "rtn":
         return quantize_model(model, recipe, progress=progress)
     batches = calibration_batches(tokenizer, recipe.dataset, recipe.n_samples, recipe.seq_len)
-    return quantize_blockwise(model, recipe, batches, GPTQLayerQuantizer(recipe), progress=progress,
+    return quantize_blockwise(model, recipe, batches, layer_quantizer_for(recipe), progress=progress,
                               state_dir=state_dir)
+
+
+def layer_quantizer_for(recipe: QuantRecipe):
+    """The layer quantizer (driver protocol) a recipe's method uses."""
+    if recipe.method == "gptq":
+        return GPTQLayerQuantizer(recipe)
+    if recipe.method == "awq":
+        return AWQLayerQuantizer(recipe.config, awq_options(recipe))
+    return RTNLayerQuantizer(recipe.config)
+
+
+def awq_options(recipe: QuantRecipe) -> AWQOptions:
+    return AWQOptions(grid=recipe.awq_grid, duo_scaling=recipe.awq_duo_scaling, clip=recipe.awq_clip,
+                      clip_grid=recipe.awq_clip_grid, max_shrink=recipe.awq_max_shrink,
+                      clip_tokens=recipe.awq_clip_tokens, search_samples=recipe.awq_search_samples)

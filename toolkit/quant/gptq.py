@@ -44,11 +44,10 @@ class HessianAccumulator:
         if n == 0:
             return
         x = x.to(self.hessian.device)
-        # Rescale the old average, then add the new vectors with weight 2/n_total (the reference's update order).
-        self.hessian *= self.samples / (self.samples + n)
+        # H <- H * old/new + (2/new) xᵀx in one in-place GEMM (no temporaries of x or of an [in, in] product).
+        beta = self.samples / (self.samples + n)
         self.samples += n
-        x = x * (2.0 / self.samples) ** 0.5
-        self.hessian += x.t() @ x
+        self.hessian.addmm_(x.t(), x, beta=beta, alpha=2.0 / self.samples)
 
 
 def _inverse_cholesky(h: torch.Tensor, damp_percent: float) -> torch.Tensor:

@@ -26,7 +26,7 @@ from toolkit.quant.primitives import QuantConfig
 from toolkit.quant.quantized_weight import QuantizedWeight
 from toolkit.quant.rtn import rtn_quantize
 
-METHODS = ("rtn", "gptq")  # awq joins here; gptq (and awq) need calibration data
+METHODS = ("rtn", "gptq", "awq")  # gptq and awq need calibration data
 DEFAULT_SKIP = ("lm_head",)
 
 
@@ -52,6 +52,16 @@ class QuantRecipe:
     act_order: bool = False
     static_groups: bool = False
     block_size: int = 128
+    # GPTQ: quantize a block's q,k,v | o | gate,up | down in turn, each on inputs through the quantized earlier ones
+    true_sequential: bool = True
+    # AWQ's knobs (toolkit.quant.awq.AWQOptions, AutoAWQ names in comments); other methods ignore them
+    awq_grid: int = 20  # n_grid: alphas i/grid tried in the scale search
+    awq_duo_scaling: bool = False  # AutoAWQ duo_scaling: s = |x|^a / |w|^(1-a) instead of the paper's |x|^a
+    awq_clip: bool = True  # apply_clip: run the weight clip search
+    awq_clip_grid: int = 20  # shrink steps of the clip search
+    awq_max_shrink: float = 0.5  # max_shrink: clip max|w| by at most this fraction
+    awq_clip_tokens: int = 512  # n_sample_token: tokens the clip search measures on
+    awq_search_samples: int = 16  # calibration sequences the scale-search loss is measured on
     # calibration data for data-aware methods: windows from the calibration split of `dataset`
     dataset: str = "pydoc"
     n_samples: int = 128

@@ -1,0 +1,286 @@
+"""AWQ (Lin et al., 2023): protect the input channels that carry large activations by scaling them up before
+quantization, with the inverse scale folded into the op that produces those inputs, so the float model computes
+the same function and only the rounding changes. Then shrink each group's clipping range where that lowers the
+output error. Codes are then plain round-to-nearest on the scaled, clipped weight (the `primitives` grid).
+
+One block at a time, on the float inputs each Linear saw (`InputCollector`):
+
+1. **Scale search** per *scaling group* (Linears that read one tensor, and the op that writes it):
+   ``input_layernorm -> q,k,v``; ``post_attention_layernorm`` (Llama/Qwen) or ``pre_feedforward_layernorm``
+   (Gemma 3) ``-> gate,up``; ``up -> down``; ``v -> o`` only when v's outputs are o's inputs one to one (no GQA
+   head sharing; AutoAWQ skips it then too). Which norm feeds which Linears is not guessed from names: the
+   driver's capture forward records each norm's output tensor and a group's producer is the norm whose output IS
+   the Linears' input. For ``alpha`` on a grid in [0, 1]: ``s = mean|x|^alpha`` (normalised by
+   ``sqrt(max s * min s)``), ``W' = Q(W * s) / s``, and the loss is the mean squared error of the group's output
+   against the float output on ``search_samples`` calibration sequences; the best ``alpha`` wins. The output
+   measured is the MLP's for gate/up (it is nonlinear in them; AutoAWQ does the same) and the Linears' own
+   outputs otherwise (AutoAWQ runs the whole attention for q,k,v: a cheaper, slightly weaker proxy here).
+   ``duo_scaling`` uses AutoAWQ's later ``s = mean|x|^a / mean|w|^(1-a)``.
+2. **Fold**: the Linears' input columns are multiplied by ``s``; the producer's output is divided by ``s``:
+   an RMSNorm weight ``w -> w / s``, or for Gemma's ``(1 + w)`` norm ``w -> (1 + w) / s - 1`` (the norm kind is
+   probed numerically, not taken from a class name); a Linear producer's rows and bias ``/ s``.
+3. **Clip search** (all Linears except q and k, whose errors the attention softmax magnifies; as AutoAWQ):
+   per output channel and group, ``max|w|`` is shrunk by ``i / clip_grid`` for ``i < max_shrink * clip_grid``
+   and the value with the least error of ``x · w`` per group, on ``clip_tokens`` tokens, is kept
+   (the weight is clamped to ``±max``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from toolkit.quant.primitives import QuantConfig, choose_qparams, dequantize, quantize
+from toolkit.quant.quantized_weight import QuantizedWeight
+from toolkit.quant.rtn import rtn_quantize
+
+
+@dataclasses.dataclass(frozen=True)
+class AWQOptions:
+    """Every knob of the paper / AutoAWQ, by name."""
+
+    grid: int = 20  # alphas tried: i / grid for i in range(grid)  (AutoAWQ n_grid)
+    duo_scaling: bool = False  # False: the paper's s = mean|x|^a; True: AutoAWQ's mean|x|^a / mean|w|^(1-a)
+    clip: bool = True  # run the clip search after scaling
+    clip_grid: int = 20  # shrink steps of max|w| (AutoAWQ n_grid in _compute_best_clip)
+    max_shrink: float = 0.5  # shrink max|w| by at most this fraction
+    clip_tokens: int = 512  # tokens (evenly spaced over the calibration data) the clip search measures on
+    search_samples: int = 16  # calibration sequences the scale search measures its loss on (means use all)
+
+    def __post_init__(self):
+        if self.grid < 1 or self.clip_grid < 1 or self.clip_tokens < 1 or self.search_samples < 1:
+            raise ValueError("AWQ grid, clip_grid, clip_tokens and search_samples must be >= 1")
+        if not 0.0 <= self.max_shrink < 1.0:
+            raise ValueError(f"AWQ max_shrink must be in [0, 1), got {self.max_shrink}")
+
+
+class InputCollector:
+    """Keeps every input tensor a Linear receives (references: Linears fed one tensor share the memory)."""
+
+    def __init__(self):
+        self.inputs: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor) -> None:
+        self.inputs.append(x.detach())
+
+    def rows(self, n_samples: int | None = None) -> torch.Tensor:
+        """The inputs as float32 rows ``[tokens, in]`` (the first ``n_samples`` tensors when given)."""
+        xs = self.inputs if n_samples is None else self.inputs[:n_samples]
+        return torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]).to(torch.float32)
+
+
+def fake_quantize(weight: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """``deq(RTN(weight))`` in float32: what the weight becomes on ``config``'s grid."""
+    scale, zero = choose_qparams(weight, config)
+    return dequantize(quantize(weight, scale, zero, config), scale, zero, config)
+
+
+# ------------------------------------------------------------------------------------------- scale search
+
+@torch.no_grad()
+def search_scales(x: torch.Tensor, linears: list[nn.Linear], config: QuantConfig, options: AWQOptions,
+                  x_search: torch.Tensor | None = None, inspect=None) -> tuple[torch.Tensor, float, float]:
+    """``(s [in], best alpha, best loss)`` for Linears that all read ``x [tokens, in]`` (float32 rows).
+
+    ``mean|x|`` comes from all of ``x``; the loss is measured on ``x_search`` (default ``x``). ``inspect(x)``
+    maps the group's input to the output whose error counts (default: the Linears' outputs concatenated).
+    """
+    x_search = x if x_search is None else x_search
+    weights = [lin.weight.detach().to(torch.float32) for lin in linears]
+    x_mean = x.abs().mean(0)
+    if options.duo_scaling:
+        w = torch.cat(weights)
+        gs = config.resolve_group_size(w.shape[1])
+        grouped = w.abs().reshape(w.shape[0], -1, gs)
+        w_mean = (grouped / grouped.amax(-1, keepdim=True).clamp(min=1e-8)).reshape(w.shape).mean(0)
+
+    def outputs(ws):
+        if inspect is not None:
+            return inspect(x_search, ws)
+        return torch.cat([x_search @ w.t() for w in ws], dim=-1)
+
+    reference = outputs(weights)
+    best = (None, -1.0, float("inf"))
+    for i in range(options.grid):
+        alpha = i / options.grid
+        if options.duo_scaling:
+            s = x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)
+        else:
+            s = x_mean.pow(alpha)
+        s = s.clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        candidate = [fake_quantize(w * s, config) / s for w in weights]
+        loss = float((outputs(candidate) - reference).pow(2).mean())
+        if loss < best[2]:
+            best = (s, alpha, loss)
+    if best[0] is None:  # every loss NaN: no scaling is the honest fallback
+        return torch.ones_like(x_mean), 0.0, float("nan")
+    return best
+
+
+# ------------------------------------------------------------------------------------------- folding
+
+def norm_kind(norm: nn.Module, hidden: int) -> str:
+    """``"plain"`` (output = normed(x) * w, Llama/Qwen) or ``"offset"`` (normed(x) * (1 + w), Gemma), probed."""
+    weight = getattr(norm, "weight", None)
+    if weight is None or weight.dim() != 1 or weight.numel() != hidden:
+        raise ValueError(f"{type(norm).__name__} has no [hidden] weight to fold AWQ scales into")
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.no_grad():
+        y = norm(x).float()
+        eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        ratio = y / normed
+    w = weight.detach().float()
+    if torch.allclose(ratio, w.expand_as(ratio), rtol=1e-3, atol=1e-4):
+        return "plain"
+    if torch.allclose(ratio, (1 + w).expand_as(ratio), rtol=1e-3, atol=1e-4):
+        return "offset"
+    raise ValueError(f"cannot fold AWQ scales into {type(norm).__name__}: it is not an RMSNorm of the form "
+                     f"normed(x) * w or normed(x) * (1 + w)")
+
+
+@torch.no_grad()
+def fold_scales(producer: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> None:
+    """Scale the Linears' input columns by ``s`` and divide the producer's outputs by ``s`` (same function)."""
+    for lin in linears:
+        lin.weight.mul_(s.to(lin.weight)[None, :])
+    if isinstance(producer, nn.Linear):
+        producer.weight.div_(s.to(producer.weight)[:, None])
+        if producer.bias is not None:
+            producer.bias.div_(s.to(producer.bias))
+        return
+    w = producer.weight
+    if norm_kind(producer, w.numel()) == "plain":
+        w.div_(s.to(w))
+    else:
+        w.copy_(((1 + w.float()) / s - 1).to(w))
+
+
+# ------------------------------------------------------------------------------------------- clip search
+
+@torch.no_grad()
+def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig, options: AWQOptions,
+                oc_batch: int = 64) -> torch.Tensor:
+    """Best ``max|w|`` per output channel and group ``[out, n_groups]`` for ``weight`` on inputs ``x [t, in]``."""
+    w_all = weight.detach().to(torch.float32)
+    out, cols = w_all.shape
+    gs = config.resolve_group_size(cols)
+    step = max(1, x.shape[0] // options.clip_tokens)
+    xs = x[::step][:options.clip_tokens].to(torch.float32).reshape(-1, cols // gs, gs)  # [t, g, gs]
+    n_steps = max(1, int(options.max_shrink * options.clip_grid))
+    best_max = []
+    for o in range(0, out, oc_batch):
+        w = w_all[o:o + oc_batch].reshape(-1, cols // gs, gs)  # [oc, g, gs]
+        org_max = w.abs().amax(-1, keepdim=True)  # [oc, g, 1]
+        ref = torch.einsum("tgk,ogk->otg", xs, w)
+        best_err = torch.full(org_max.shape[:2], float("inf"))
+        best = org_max.clone()
+        for i in range(n_steps):
+            max_val = org_max * (1 - i / options.clip_grid)
+            clipped = torch.clamp(w, -max_val, max_val).reshape(-1, cols)
+            q = fake_quantize(clipped, config).reshape(w.shape)
+            err = (torch.einsum("tgk,ogk->otg", xs, q) - ref).pow(2).mean(1)  # [oc, g]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better[..., None], max_val, best)
+        best_max.append(best.squeeze(-1))
+    return torch.cat(best_max)
+
+
+def apply_clip(linear: nn.Linear, max_val: torch.Tensor, config: QuantConfig) -> None:
+    w = linear.weight.data
+    gs = config.resolve_group_size(w.shape[1])
+    grouped = w.reshape(w.shape[0], -1, gs)
+    m = max_val.to(w)[..., None]
+    grouped.copy_(torch.clamp(grouped, -m, m))
+
+
+# ------------------------------------------------------------------------------------------- one block
+
+def _suffix(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+@torch.no_grad()
+def awq_block(block: nn.Module, linears: dict[str, nn.Linear], collectors: dict[str, InputCollector],
+              producers: dict[str, nn.Module], config: QuantConfig, options: AWQOptions) -> dict[str, dict]:
+    """Scale-search, fold and clip one decoder block's Linears in place (the float block stays equivalent up to
+    the clipping). ``collectors`` hold each Linear's float inputs; ``producers`` maps a Linear's name to the
+    norm module whose output is its input (found by the driver). Returns a report per scaling group."""
+    by_suffix = {_suffix(n): n for n in linears}
+    # (group name, Linears, producer module, inspect module) in block order; a group is only used when whole
+    groups = []
+    qkv = [by_suffix[k] for k in ("q_proj", "k_proj", "v_proj") if k in by_suffix]
+    if qkv and qkv[0] in producers:
+        groups.append(("qkv", qkv, producers[qkv[0]], None))
+    if "v_proj" in by_suffix and "o_proj" in by_suffix:
+        v, o = linears[by_suffix["v_proj"]], linears[by_suffix["o_proj"]]
+        if v.out_features == o.in_features:  # no GQA sharing: each o input is exactly one v output
+            groups.append(("v->o", [by_suffix["o_proj"]], v, None))
+    gate_up = [by_suffix[k] for k in ("gate_proj", "up_proj") if k in by_suffix]
+    mlp = getattr(block, "mlp", None)
+    if gate_up and gate_up[0] in producers:
+        groups.append(("gate,up", gate_up, producers[gate_up[0]], mlp if len(gate_up) == 2 else None))
+    if "up_proj" in by_suffix and "down_proj" in by_suffix:
+        groups.append(("up->down", [by_suffix["down_proj"]], linears[by_suffix["up_proj"]], None))
+
+    rows: dict[str, torch.Tensor] = {}  # one float32 [tokens, in] matrix per distinct input
+    def inputs_of(name):
+        key = id(collectors[name].inputs[0])
+        if key not in rows:
+            rows[key] = collectors[name].rows()
+        return rows[key]
+
+    n_search = None
+    report = {}
+    for label, names, producer, inspect_module in groups:
+        mods = [linears[n] for n in names]
+        x = inputs_of(names[0])
+        per_sample = collectors[names[0]].inputs[0].reshape(-1, x.shape[1]).shape[0]
+        n_search = options.search_samples * per_sample
+        inspect = None
+        if inspect_module is not None:
+            gate, up = mods
+            act = inspect_module.act_fn
+            down = inspect_module.down_proj.weight.detach().float()
+
+            def inspect(xs, ws, act=act, down=down):
+                return (act(xs @ ws[0].t()) * (xs @ ws[1].t())) @ down.t()
+        s, alpha, loss = search_scales(x, mods, config, options, x_search=x[:n_search], inspect=inspect)
+        fold_scales(producer, mods, s)
+        x.div_(s)  # the Linears now read x / s (shared rows: once per input)
+        report[label] = {"alpha": alpha, "loss": loss}
+    if options.clip:
+        for name, lin in linears.items():
+            if _suffix(name) in ("q_proj", "k_proj"):
+                continue
+            apply_clip(lin, search_clip(lin.weight, inputs_of(name), config, options), config)
+    return report
+
+
+class AWQLayerQuantizer:
+    """AWQ in the block driver's layer-quantizer protocol: inputs are collected, `prepare_block` runs the
+    scale/clip search and folds, then each Linear is rounded to nearest."""
+
+    needs_producers = True  # the driver records which norm output feeds which Linear
+
+    def __init__(self, config: QuantConfig, options: AWQOptions = AWQOptions()):
+        self.config = config
+        self.options = options
+        self.last_report: dict = {}
+
+    def accumulator(self, linear: nn.Linear):
+        return InputCollector()
+
+    def prepare_block(self, block, linears, accumulators, producers) -> None:
+        self.last_report = awq_block(block, linears, accumulators, producers, self.config, self.options)
+
+    def quantize(self, name: str, linear: nn.Linear, accumulator) -> QuantizedWeight:
+        return rtn_quantize(linear.weight, self.config, linear.bias)
+
+    def fingerprint(self) -> dict:
+        return {"method": "awq", "config": dataclasses.asdict(self.config),
+                "options": dataclasses.asdict(self.options)}
