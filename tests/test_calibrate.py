@@ -208,3 +208,52 @@ def test_captured_inputs_match_full_forward(arch, tiny_llama_dir, tiny_gemma3_di
                 torch.testing.assert_close(inputs[j], states[j][i])
             if i + 1 < len(blocks):
                 inputs = _run_block(block, inputs, kwargs[i])
+
+
+class _RecordingGPTQ:
+    """GPTQ that keeps a copy of each layer's Hessian (what the layer's inputs were)."""
+
+    def __init__(self, recipe):
+        from toolkit.quant.calibrate import GPTQLayerQuantizer
+
+        self.inner = GPTQLayerQuantizer(recipe)
+        self.hessians = {}
+
+    def accumulator(self, linear):
+        return self.inner.accumulator(linear)
+
+    def quantize(self, name, linear, accumulator):
+        self.hessians[name] = accumulator.hessian.clone()
+        return self.inner.quantize(name, linear, accumulator)
+
+
+@torch.no_grad()
+def _logit_error(model, reference, ids):
+    return float((model(input_ids=ids).logits - reference).pow(2).mean())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_true_sequential_changes_later_inputs_and_beats_rtn(arch, tiny_llama_dir, tiny_gemma3_dir, batches):
+    path = tiny_llama_dir if arch == "llama" else tiny_gemma3_dir
+    runs = {}
+    for sequential in (True, False):
+        model = _load(path)
+        recipe = QuantRecipe(method="gptq", bits=4, group_size=32, symmetric=False, true_sequential=sequential)
+        quantizer = _RecordingGPTQ(recipe)
+        quantize_blockwise(model, recipe, batches, quantizer, progress=False)
+        runs[sequential] = (model, quantizer.hessians)
+    seq, par = runs[True][1], runs[False][1]
+    block0 = [n for n in seq if ".layers.0." in n]
+    name = {n.rsplit(".", 1)[-1]: n for n in block0}
+    # q,k,v come first: same float inputs either way; o, gate/up and down see the quantized earlier stages
+    assert torch.equal(seq[name["q_proj"]], par[name["q_proj"]])
+    for later in ("o_proj", "up_proj", "down_proj"):
+        assert not torch.allclose(seq[name[later]], par[name[later]], rtol=1e-5, atol=1e-7), later
+    reference_model = _load(path)
+    reference = reference_model(input_ids=batches).logits
+    rtn_model = _load(path)
+    quantize_blockwise(rtn_model, QuantRecipe(bits=4, group_size=32, symmetric=False), batches,
+                       RTNLayerQuantizer(QuantRecipe(bits=4, group_size=32, symmetric=False).config), progress=False)
+    gptq_err = _logit_error(runs[True][0], reference, batches)
+    rtn_err = _logit_error(rtn_model, reference, batches)
+    assert gptq_err < 0.8 * rtn_err, (gptq_err, rtn_err)
