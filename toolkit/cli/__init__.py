@@ -13,9 +13,11 @@ COMMANDS = {
     "generate": "continue a prompt (streamed), with TTFT and inter-token latencies",
     "bench": "prefill and decode latency against transformers generate(), interleaved; JSON out",
     "quantize": "quantize Linear weights (RTN, GPTQ; AWQ to come) and write a checkpoint for model=DIR",
+    "export": "write a quantized checkpoint in the GPTQ (v1) or AWQ (GEMM) format other tools load",
     "models": "list | fetch | verify offline models and the local cache",
     "data": "list | fetch | show offline text datasets and their splits",
     "demo": "fetch the default model, generate, benchmark, and print what was measured",
+    "serve": "an OpenAI-compatible HTTP server with streaming and continuous batching",
 }
 
 USAGE = """usage: specquant COMMAND [key=value ...] [-m key=a,b ...] [--help]

@@ -13,6 +13,7 @@ from toolkit.engine.setup import configure_threads, load_quantized_model, prepar
 from toolkit.errors import InputError
 from toolkit.machine import machine_facts
 from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
+from toolkit.quant.formats import export_source, is_foreign_quantized
 from toolkit.results import make_result, write_result
 
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -28,11 +29,16 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
         raise InputError(f"unknown baseline {baseline!r}", "use baseline=hf or baseline=none")
     threads = configure_threads(engine_cfg.threads)
     reference = None
-    if is_quantized_checkpoint(model_name):
+    if is_quantized_checkpoint(model_name) or is_foreign_quantized(model_name):  # ours, or GPTQ/AWQ format
         # the baseline is transformers on the float model the checkpoint was quantized from
         loaded = load_quantized_model(model_name)
         if baseline == "hf":
-            reference = load_model(read_manifest(model_name)["source"]).model
+            source = (read_manifest(model_name)["source"] if is_quantized_checkpoint(model_name)
+                      else export_source(model_name))
+            if not source:
+                raise InputError(f"{model_name} does not record the float model it was quantized from",
+                                 "pass baseline=none, or bench the float model separately")
+            reference = load_model(source).model
     else:
         loaded = load_model(model_name)
         if baseline == "hf":
@@ -76,6 +82,9 @@ def print_table(result: dict) -> None:
                       f"TTFT speedup: {result['ttft_speedup_vs_baseline']:.2f}x   greedy token agreement "
                       f"({result['dtype']} vs {result['baseline']['dtype']}): "
                       f"{result['greedy_token_agreement_vs_baseline']:.3f}")
+    if "kv_bytes" in result:
+        console.print(f"engine KV cache at the end: {result['kv_bytes'] / 2**20:.2f} MiB for {result['kv_tokens']} "
+                      f"tokens = {result['kv_ratio_to_bf16']:.3f}x a bf16 cache")
 
 
 def run(cfg) -> dict:

@@ -22,33 +22,40 @@ def load_engine_model(name: str, engine_cfg):
     `precision` says what it runs in."""
     from toolkit.models import load_model
     from toolkit.quant.checkpoint import is_quantized_checkpoint
+    from toolkit.quant.formats import is_foreign_quantized
 
     configure_threads(engine_cfg.threads)
-    loaded = load_quantized_model(name) if is_quantized_checkpoint(name) else load_model(name, dtype=torch.float32)
+    quantized = is_quantized_checkpoint(name) or is_foreign_quantized(name)  # ours, or a GPTQ/AWQ directory
+    loaded = load_quantized_model(name) if quantized else load_model(name, dtype=torch.float32)
     loaded.precision = prepare_engine_model(loaded.model, engine_cfg)
     return loaded
 
 
 def load_quantized_model(path):
-    """A checkpoint written by `specquant quantize`, with its Linear layers swapped for QuantLinear (packed
-    low-bit weights, run by low-bit kernels); the remaining float parameters are fp32 until prepared."""
+    """A checkpoint written by `specquant quantize` (or a GPTQ/AWQ-format directory, imported by
+    `toolkit.quant.formats`), with its Linear layers swapped for QuantLinear (packed low-bit weights, run by
+    low-bit kernels); the remaining float parameters are fp32 until prepared."""
     import time
     from pathlib import Path
 
     from toolkit.models.load import LoadedModel
-    from toolkit.quant.checkpoint import load_quantized, read_manifest
+    from toolkit.quant.checkpoint import is_quantized_checkpoint, load_quantized, read_manifest
+    from toolkit.quant.formats import detect_format, export_source, import_checkpoint
     from toolkit.quant.model_quant import swap_quantized_modules
     from toolkit.quant.qlinear import QuantLinear
 
     start = time.perf_counter()
-    model, qsd, tokenizer = load_quantized(path, dtype=torch.float32)
+    ours = is_quantized_checkpoint(path)
+    model, qsd, tokenizer = (load_quantized if ours else import_checkpoint)(path, dtype=torch.float32)
     if tokenizer is None:
         raise ModelError(f"quantized checkpoint {path} has no tokenizer", "re-run specquant quantize, which saves one")
     swap_quantized_modules(model, qsd, QuantLinear.from_quantized)
     recipe = qsd.recipe
     group = "per-channel" if recipe.group_size == -1 else f"g{recipe.group_size}"
-    model.specquant_quant_label = f"{recipe.method} int{recipe.bits} {group}"  # shown beside the dtype in results
-    name = f"{read_manifest(path).get('source') or Path(path).name} ({Path(path).name})"
+    label = f"{recipe.method} int{recipe.bits} {group}" + ("" if ours else f" ({detect_format(path)} format)")
+    model.specquant_quant_label = label  # shown beside the dtype in results
+    source = read_manifest(path).get("source") if ours else export_source(path)
+    name = f"{source or Path(path).name} ({Path(path).name})"
     return LoadedModel(model, tokenizer, name, None, Path(path), torch.float32,
                        time.perf_counter() - start)
 
