@@ -1,0 +1,333 @@
+"""The OpenAI-compatible server, driven by the official `openai` client (and raw httpx where the wire format itself is
+under test) against servers started here on loopback, over a tiny random llama in fp32.
+
+The central claim: continuous batching changes nothing about what a request gets. Concurrent requests that join and
+leave the running batch at different steps (rows of different lengths) produce exactly the greedy tokens they get when
+served one at a time, and exactly what the engine's own generate() gives (so the slot KV cache is checked against the
+engine's contiguous cache, not against itself)."""
+
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from omegaconf import OmegaConf
+
+from toolkit.engine.generate import generate
+from toolkit.engine.sampling import SamplingParams
+from toolkit.engine.setup import load_engine_model
+from toolkit.serve.server import BackgroundServer, ServeSettings, build_state
+
+MODEL = "tiny"
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+PROMPTS = ["The class statement", "def f(x): return", "Exceptions are raised when a program meets an error and the "
+           "interpreter stops", "import os", "A function definition is an executable statement. Its execution binds "
+           "the function name in the current local namespace to a function object", "while True:", "The with "
+           "statement is used to wrap the execution of a block", "yield", "Lambda expressions are used to create "
+           "anonymous functions", "for x in range(10): print(x)"]
+MAX_TOKENS = [24, 9, 31, 17, 12, 40, 5, 28, 20, 15]  # different lengths: rows leave the batch at different steps
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny llama with a chat template (the conftest tokenizer has none)."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama-chat")
+    shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(chat_model_dir):
+    engine = OmegaConf.create({"device": "cpu", "dtype": "fp32", "weight_dtype": "auto", "threads": None,
+                               "compile": False})
+    return load_engine_model(str(chat_model_dir), engine)
+
+
+def _start(loaded, **settings):
+    return BackgroundServer(build_state(loaded, ServeSettings(model_id=MODEL, **settings)))
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    # max_batch below the number of concurrent clients: some wait in the queue and join as rows free up
+    with _start(loaded, max_batch=6, max_queue=32, max_tokens=500, max_seq_len=512) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _engine_text(loaded, prompt, max_tokens, stop=()):
+    return generate(loaded.model, loaded.tokenizer, [prompt], max_tokens, stop_strings=stop).sequences[0].text
+
+
+def _stream_text(client, prompt, max_tokens, **kw) -> str:
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       stream=True, **kw)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+              or line.startswith(name + "{")]
+    return sum(values)
+
+
+def _wait_idle(server, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        health = httpx.get(server.url + "/health").json()
+        if health["running"] == 0 and health["waiting"] == 0:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"server still busy after {timeout} s: {health}")
+
+
+def test_completion_equals_engine_generate(client, loaded):
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, temperature=0)
+    choice = result.choices[0]
+    assert choice.text == _engine_text(loaded, PROMPTS[2], 20)
+    assert choice.finish_reason == "length"
+    prompt_tokens = len(loaded.tokenizer(PROMPTS[2]).input_ids)
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (prompt_tokens, 20)
+    assert result.usage.total_tokens == prompt_tokens + 20
+    timings = result.model_extra["timings"]
+    assert timings["ttft_ms"] > 0 and timings["itl_mean_ms"] > 0 and timings["acceptance_rate"] is None
+
+
+def test_completion_from_token_ids_and_stop_string(client, loaded):
+    ids = loaded.tokenizer(PROMPTS[0]).input_ids
+    full = _engine_text(loaded, PROMPTS[0], 30)
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0).choices[0].text == full
+    stop = full[5:8]  # a piece of what greedy decoding will produce: the text must end right before it
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop])
+    assert result.choices[0].finish_reason == "stop"
+    assert result.choices[0].text == full[:full.index(stop)]
+
+
+def test_chat_uses_the_chat_template(client, loaded):
+    messages = [{"role": "user", "content": "What does the class statement do?"}]
+    result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    text = loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = loaded.tokenizer(text, add_special_tokens=False).input_ids
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == _engine_text(loaded, ids, 16)
+    assert result.usage.prompt_tokens == len(ids)
+
+
+def test_chat_streaming_with_usage_chunk(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a loop."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_stream_wire_format_ends_with_done(server):
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][len("data: "):])
+    assert last["object"] == "text_completion" and last["choices"][0]["finish_reason"] == "length"
+    assert last["usage"]["completion_tokens"] == 6 and "ttft_ms" in last["timings"]
+
+
+def test_concurrent_streams_equal_sequential_and_engine(client, server, loaded):
+    sequential = [_stream_text(client, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    server.state.scheduler.peak_batch = 0
+    start = threading.Barrier(len(PROMPTS))
+
+    def one(args):
+        start.wait()
+        return _stream_text(client, *args)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        concurrent = list(pool.map(one, zip(PROMPTS, MAX_TOKENS)))
+    assert server.state.scheduler.peak_batch > 1, "the requests never shared a decode step"
+    assert concurrent == sequential
+    assert sequential == [_engine_text(loaded, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    _wait_idle(server)
+    assert _metric(server, "specquant_kv_bytes_in_use") == 0
+
+
+def test_per_request_sampling_in_one_batch(client, server):
+    """Seeded sampled requests share a batch with greedy ones and get what they get alone."""
+    kinds = [dict(temperature=0.9, top_k=40, seed=7), dict(temperature=0), dict(temperature=1.3, top_p=0.8, seed=3),
+             dict(temperature=0)] * 2
+
+    def ask(kw):
+        extra = {"top_k": kw["top_k"]} if "top_k" in kw else None
+        args = {k: v for k, v in kw.items() if k != "top_k"}
+        chunks = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=25, stream=True,
+                                           extra_body=extra, **args)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    alone = [ask(kw) for kw in kinds[:4]]
+    assert alone[0] != alone[1] != alone[2]  # sampling really sampled
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        together = list(pool.map(ask, kinds))
+    assert together == alone * 2
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    cancelled = _metric(server, 'specquant_sequences_finished_total{reason="cancelled"}')
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 3:
+                assert httpx.get(server.url + "/health").json()["running"] == 1
+                break  # abandoning the line iterator closes the connection: the client is gone
+    _wait_idle(server)
+    assert _metric(server, 'specquant_sequences_finished_total{reason="cancelled"}') == cancelled + 1
+    assert _metric(server, "specquant_kv_bytes_in_use") == 0
+    assert _metric(server, "specquant_queue_length") == 0
+    assert _metric(server, "specquant_batch_size") == 0
+
+
+BAD = [  # (body or raw bytes, status, param, code)
+    (b"{not json", 400, None, "invalid_json"),
+    (b"[1, 2]", 400, None, "invalid_json"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
+    ({"model": MODEL, "prompt": "word " * 600}, 400, "prompt", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 501}, 400, "max_tokens", "invalid_value"),
+    ({"model": MODEL, "prompt": [40] * 200, "max_tokens": 400}, 400, "max_tokens", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt", "invalid_value"),
+    ({"model": MODEL}, 400, "prompt", "invalid_type"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,code", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_completion_input_gets_openai_error(server, body, status, param, code):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(server.url + "/v1/completions", timeout=30, **kw)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"model": MODEL, "messages": []}, "messages", "invalid_type"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs",
+     "unsupported_parameter"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools",
+     "unsupported_parameter"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, "messages",
+     "context_length_exceeded"),
+])
+def test_bad_chat_input_gets_openai_error(server, body, param, code):
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (param, code)
+
+
+def test_openai_client_raises_on_bad_input_and_server_keeps_serving(client, loaded):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-1)
+    assert err.value.body["param"] == "temperature"
+    assert client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0).choices[0].text \
+        == _engine_text(loaded, PROMPTS[3], 8)
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_unknown_route_is_an_openai_404(server):
+    response = httpx.get(server.url + "/v1/nothing-here")
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+
+
+def test_api_key_queue_limit_and_kv_budget(loaded):
+    with _start(loaded, api_key="s3cret", max_batch=1, max_queue=1, max_tokens=500, max_seq_len=512,
+                max_kv_tokens=505) as srv:
+        assert srv.host == "127.0.0.1"
+        anonymous = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            anonymous.models.list()
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        headers = {"Authorization": "Bearer s3cret"}
+        # beyond the KV budget however long one waits: refused at once, not queued
+        too_big = httpx.post(srv.url + "/v1/completions", headers=headers, timeout=30,
+                             json={"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 500})
+        assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "context_length_exceeded"
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 480, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=headers, timeout=60) as running:
+            lines = running.iter_lines()  # kept referenced: an abandoned iterator closes the connection
+            next(lines)  # the one row is busy
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=headers, timeout=60) as queued:
+                deadline = time.monotonic() + 10
+                while len(srv.state.scheduler.waiting) < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                refused = httpx.post(srv.url + "/v1/completions", json=body, headers=headers, timeout=30)
+                assert refused.status_code == 429
+                assert int(refused.headers["retry-after"]) >= 1
+                assert refused.json()["error"]["type"] == "rate_limit_error"
+                assert queued.status_code == 200
+        _wait_idle(srv)
+        ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
+        assert ok.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0).usage.completion_tokens
+
+
+def test_scheduler_matches_generate_on_both_architectures(tiny_model):
+    """The slot cache's per-row masks, sliding windows (gemma3: window 8 < these prompts) included, without HTTP."""
+    from toolkit.engine.generate import stop_token_ids
+    from toolkit.serve.metrics import ServerMetrics
+    from toolkit.serve.scheduler import Limits, Scheduler
+    from toolkit.serve.sequence import Sequence
+
+    model, tokenizer = tiny_model
+    scheduler = Scheduler(model, tokenizer, stop_token_ids(model, tokenizer), Limits(4, 16, 4096, 256),
+                          ServerMetrics())
+    done, finished = {}, threading.Event()
+    prompts = list(zip(PROMPTS[:6], MAX_TOKENS[:6]))
+
+    def emitter(i):
+        def emit(event):
+            if event["type"] in ("done", "error"):
+                done[i] = event
+                if len(done) == len(prompts):
+                    finished.set()
+        return emit
+
+    scheduler.start()
+    try:
+        for i, (prompt, n) in enumerate(prompts):
+            scheduler.submit(Sequence(tokenizer(prompt).input_ids, n, SamplingParams(), [], emitter(i)))
+        assert finished.wait(120)
+    finally:
+        scheduler.stop()
+    assert scheduler.peak_batch > 1
+    expected = [generate(model, tokenizer, [p], n).sequences[0] for p, n in prompts]
+    assert [done[i]["token_ids"] for i in range(len(prompts))] == [s.token_ids for s in expected]

@@ -1,0 +1,56 @@
+"""Prometheus metrics of one server, in a registry of its own (two servers in one process, as in tests, never
+share counters). The scheduler thread and the HTTP handlers both write here; prometheus_client is thread-safe."""
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets from 5 ms to 30 s: ITL on a loaded CPU sits in tens to hundreds of ms, TTFT up to seconds.
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    def __init__(self, window_s: float = 10.0):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specquant_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("specquant_sequences_finished", "sequences finished, by reason "
+                                "(stop, length, cancelled, error)", ["reason"], registry=r)
+        self.generated = Counter("specquant_generated_tokens", "tokens generated", registry=r)
+        self.prompt_tokens = Counter("specquant_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.ttft = Histogram("specquant_ttft_seconds", "time from arrival to the first token", buckets=_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("specquant_itl_seconds", "time between consecutive tokens of a sequence",
+                             buckets=_BUCKETS, registry=r)
+        self.tokens_per_s = Gauge("specquant_tokens_per_second", f"tokens generated per second over the last "
+                                  f"{window_s:g} s", registry=r)
+        self.kv_bytes = Gauge("specquant_kv_bytes_in_use", "bytes of keys/values held by live sequences", registry=r)
+        self.kv_allocated = Gauge("specquant_kv_bytes_allocated", "bytes the slot KV cache has allocated",
+                                  registry=r)
+        self.kv_tokens_reserved = Gauge("specquant_kv_tokens_reserved", "prompt + max_tokens of live sequences "
+                                        "(what admission counts against max_kv_tokens)", registry=r)
+        self.queue = Gauge("specquant_queue_length", "requests waiting for a slot", registry=r)
+        self.batch = Gauge("specquant_batch_size", "sequences in the running batch", registry=r)
+        self.acceptance = Gauge("specquant_spec_acceptance_rate", "speculative decoding acceptance rate "
+                                "(NaN: speculative decoding is not used by this server)", registry=r)
+        self.acceptance.set(float("nan"))
+        self._window_s = window_s
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def count_tokens(self, n: int) -> None:
+        now = time.perf_counter()
+        self.generated.inc(n)
+        with self._lock:
+            self._recent.append((now, n))
+            while self._recent and self._recent[0][0] < now - self._window_s:
+                self._recent.popleft()
+            self.tokens_per_s.set(sum(c for _, c in self._recent) / self._window_s)
+
+    def render(self) -> bytes:
+        # refresh the throughput gauge so an idle server reads 0 rather than its last busy value
+        self.count_tokens(0)
+        return generate_latest(self.registry)

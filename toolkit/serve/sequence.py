@@ -1,0 +1,66 @@
+"""One request as the scheduler sees it: its prompt and sampling settings, what it generated, when, and where its
+events go. Events are handed to `emit` (set by the HTTP layer; thread-safe) as dicts:
+    {"type": "token", "text": delta}                         text that can no longer change
+    {"type": "done", "text", "finish_reason", "usage", "timings"}
+    {"type": "error", "message"}                             the request failed inside the scheduler
+"""
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from toolkit.engine.generate import _Detokenizer
+from toolkit.engine.sampling import SamplingParams
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_strings: list[str]
+    emit: Callable[[dict], None]
+    id: int = field(default_factory=lambda: next(_ids))
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    generated: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    admitted: float | None = None
+    finish_reason: str | None = None
+
+    def __post_init__(self):
+        # a per-request generator: a seeded request samples the same tokens whatever else shares its batch
+        self.generator: torch.Generator | None = self.sampling.generator()
+        self.detok: _Detokenizer | None = None
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens this sequence may come to hold: what admission counts against max_kv_tokens."""
+        return len(self.prompt_ids) + self.max_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def timings(self) -> dict:
+        gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        first = self.token_times[0] if self.token_times else None
+        return {
+            "queue_ms": None if self.admitted is None else (self.admitted - self.arrived) * 1e3,
+            "ttft_ms": None if first is None else (first - self.arrived) * 1e3,
+            "itl_mean_ms": sum(gaps) / len(gaps) * 1e3 if gaps else None,
+            "acceptance_rate": None,  # speculative decoding is not wired into the server (see README)
+        }
+
+    def usage(self) -> dict:
+        prompt, completion = len(self.prompt_ids), len(self.generated)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,93 @@
+"""Assemble a server from a loaded model and run it with uvicorn: in the foreground (the CLI) or on a background
+thread (tests and the load benchmark, which talk to it over loopback)."""
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from toolkit.engine.generate import context_length, stop_token_ids
+from toolkit.errors import InputError
+from toolkit.serve.app import ServerState, create_app
+from toolkit.serve.metrics import ServerMetrics
+from toolkit.serve.scheduler import Limits, Scheduler
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model_id: str | None = None  # the name clients send; None = the loaded model's name
+    max_batch: int = 16
+    max_queue: int = 64
+    max_kv_tokens: int = 32768
+    max_seq_len: int | None = None  # None = min(model context, 4096)
+    max_tokens: int = 1024  # the largest max_tokens a request may ask for
+
+
+def build_state(loaded, settings: ServeSettings) -> ServerState:
+    model = loaded.model
+    context = context_length(model)
+    max_seq_len = settings.max_seq_len or min(context, 4096)
+    for name, value in (("max_batch", settings.max_batch), ("max_queue", settings.max_queue),
+                        ("max_kv_tokens", settings.max_kv_tokens), ("max_seq_len", max_seq_len),
+                        ("max_tokens", settings.max_tokens)):
+        if value < 1:
+            raise InputError(f"{name} must be >= 1, got {value}", f"set {name}= to a positive number")
+    if max_seq_len > context:
+        raise InputError(f"max_seq_len={max_seq_len} exceeds the model's context of {context} tokens",
+                         f"use max_seq_len<={context} or null")
+    limits = Limits(settings.max_batch, settings.max_queue, settings.max_kv_tokens, max_seq_len)
+    metrics = ServerMetrics()
+    scheduler = Scheduler(model, loaded.tokenizer, stop_token_ids(model, loaded.tokenizer), limits, metrics)
+    return ServerState(scheduler, loaded.tokenizer, settings.model_id or str(loaded.name), settings.max_tokens,
+                       settings.api_key, metrics, int(time.time()))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class BackgroundServer:
+    """uvicorn on a daemon thread; `url` once started. Use as a context manager."""
+
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int | None = None):
+        self.state = state
+        self.host, self.port = host, port or free_port(host)
+        config = uvicorn.Config(create_app(state), host=self.host, port=self.port, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="specquant-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "BackgroundServer":
+        self.state.scheduler.start()
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.state.scheduler.stop()
+
+
+def serve_forever(state: ServerState, host: str, port: int) -> None:
+    state.scheduler.start()
+    try:
+        uvicorn.run(create_app(state), host=host, port=port, log_level="info", lifespan="off",
+                    timeout_graceful_shutdown=5)
+    finally:
+        state.scheduler.stop()
