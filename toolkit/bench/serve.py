@@ -1,0 +1,203 @@
+"""Load benchmark of `specquant serve`: N concurrent streaming clients against the server on loopback, and the same
+requests served one at a time, in one run.
+
+    python -m toolkit.bench.serve [--clients 16] [--duration 120] [--sequential-duration 60] [--max-tokens 128]
+                                  [--model CHECKPOINT_OR_NAME] [--prompts open] [--out result.json]
+
+Protocol: a fixed list of requests (prompts of the --prompts set cut to 128, 256, 384 and 512 tokens in turn, greedy,
+--max-tokens new tokens each, stopping early only at the model's end-of-sequence) is served twice by one server
+process: first one request at a time for --sequential-duration seconds (requests 0, 1, 2, ... of the list), then by
+--clients concurrent streaming clients for --duration seconds (the same list from the start, each client taking the
+next request when its last one ends; requests in flight at the deadline are finished and counted). Throughput is
+completion tokens (the server's usage counts) over wall time of each phase; the ratio of the two is what batching
+buys. TTFT (request sent -> first text chunk) and ITL (gaps between text chunks; a chunk is one token unless text was
+held back at a partial character or a possible stop string) are measured by the clients under load. RSS of the server
+process (which also hosts the client threads) is sampled every second over the load phase.
+
+The model is SmolLM2-135M's INT4 checkpoint when one is in ~/.cache/specquant/checkpoints, else the float model.
+"""
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from toolkit.engine.timing import percentiles
+
+PROMPT_LENGTHS = (128, 256, 384, 512)
+
+
+def default_model() -> str:
+    from toolkit.paths import home
+
+    root = home() / "checkpoints"
+    found = sorted(root.glob("smollm2-135m*int4*")) if root.is_dir() else []
+    return str(found[0]) if found else "smollm2-135m"
+
+
+def request_list(tokenizer, prompt_set: str, n_per_length: int) -> list[str]:
+    from toolkit.data import build_prompts
+
+    by_length = [build_prompts(prompt_set, tokenizer, length, n_per_length) for length in PROMPT_LENGTHS]
+    # interleave lengths so every stretch of the list has the same mix
+    return [by_length[j][i].text for i in range(n_per_length) for j in range(len(PROMPT_LENGTHS))]
+
+
+def stream_one(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    sent = time.perf_counter()
+    chunk_times, usage, error = [], None, None
+    try:
+        with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                return {"error": f"HTTP {response.status_code}: {response.text[:200]}"}
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]["message"]
+                    break
+                if event["choices"] and event["choices"][0].get("text"):
+                    chunk_times.append(time.perf_counter())
+                usage = event.get("usage") or usage
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    if error or usage is None:
+        return {"error": error or "stream ended without usage"}
+    return {"tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"],
+            "ttft_s": chunk_times[0] - sent if chunk_times else None,
+            "itl_s": [b - a for a, b in zip(chunk_times, chunk_times[1:])], "end": time.perf_counter()}
+
+
+def run_sequential(url, model, requests, max_tokens, duration) -> dict:
+    results, start = [], time.perf_counter()
+    with httpx.Client(timeout=600) as client:
+        for prompt in requests:
+            if time.perf_counter() - start >= duration:
+                break
+            results.append(stream_one(client, url, model, prompt, max_tokens))
+    return summarize(results, time.perf_counter() - start)
+
+
+def run_concurrent(url, model, requests, max_tokens, clients, duration, rss: list) -> dict:
+    results, lock, next_index = [], threading.Lock(), [0]
+    start = time.perf_counter()
+    deadline = start + duration
+
+    def client_loop():
+        with httpx.Client(timeout=600) as client:
+            while time.perf_counter() < deadline:
+                with lock:
+                    prompt = requests[next_index[0] % len(requests)]
+                    next_index[0] += 1
+                result = stream_one(client, url, model, prompt, max_tokens)
+                with lock:
+                    results.append(result)
+
+    process = psutil.Process()
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        rss.append((time.perf_counter() - start, process.memory_info().rss / 2**20))
+        time.sleep(1.0)
+    return summarize(results, time.perf_counter() - start)
+
+
+def summarize(results: list[dict], wall_s: float) -> dict:
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    tokens = sum(r["tokens"] for r in ok)
+    ttft = [r["ttft_s"] * 1e3 for r in ok if r["ttft_s"] is not None]
+    itl = [g * 1e3 for r in ok for g in r["itl_s"]]
+    return {"requests": len(results), "errors": len(errors), "error_examples": errors[:3],
+            "completion_tokens": tokens, "prompt_tokens": sum(r["prompt_tokens"] for r in ok), "wall_s": wall_s,
+            "tokens_per_s": tokens / wall_s if wall_s else 0.0,
+            "ttft_ms": percentiles(ttft, (50, 99)) if ttft else None,
+            "itl_ms": percentiles(itl, (50, 99)) if itl else None}
+
+
+def rss_summary(samples: list[tuple[float, float]]) -> dict:
+    if len(samples) < 4:
+        return {"samples": len(samples)}
+    values = [v for _, v in samples]
+    half = samples[len(samples) // 2:]
+    # least-squares slope over the second half: after warm-up (buffers grown, allocator settled) it should be ~0
+    xs, ys = [t for t, _ in half], [v for _, v in half]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / (sum((x - mx) ** 2 for x in xs) or 1)
+    return {"samples": len(samples), "first_mb": values[0], "last_mb": values[-1], "max_mb": max(values),
+            "second_half_slope_mb_per_min": slope * 60}
+
+
+def main() -> None:
+    from omegaconf import OmegaConf
+
+    from toolkit.engine.setup import load_engine_model
+    from toolkit.serve.server import BackgroundServer, ServeSettings, build_state
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="registry name, directory or checkpoint (default: see above)")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of concurrent load")
+    parser.add_argument("--sequential-duration", type=float, default=60.0, help="seconds of one-at-a-time serving")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompts", default="open", help="prompt set")
+    parser.add_argument("--max-batch", type=int, default=None, help="default: --clients")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None, help="write the result JSON here")
+    args = parser.parse_args()
+
+    model_name = args.model or default_model()
+    engine = OmegaConf.create({"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": args.threads,
+                               "compile": False})
+    loaded = load_engine_model(model_name, engine)
+    requests = request_list(loaded.tokenizer, args.prompts, 8)
+    max_batch = args.max_batch or args.clients
+    settings = ServeSettings(model_id="bench", max_batch=max_batch, max_queue=4 * args.clients,
+                             max_kv_tokens=max_batch * (max(PROMPT_LENGTHS) + args.max_tokens),
+                             max_seq_len=max(PROMPT_LENGTHS) + args.max_tokens + 16, max_tokens=args.max_tokens)
+    print(f"{loaded.name} ({loaded.precision.name}); {len(requests)} distinct requests of "
+          f"{'/'.join(map(str, PROMPT_LENGTHS))}-token prompts, {args.max_tokens} new tokens, greedy")
+    with BackgroundServer(build_state(loaded, settings)) as server:
+        # warm-up, untimed: first calls pay one-off costs (kernels, allocator)
+        with httpx.Client(timeout=600) as client:
+            stream_one(client, server.url, "bench", requests[0], 8)
+        print(f"one at a time for {args.sequential_duration:g} s ...", flush=True)
+        sequential = run_sequential(server.url, "bench", requests, args.max_tokens, args.sequential_duration)
+        print(f"{args.clients} concurrent clients for {args.duration:g} s ...", flush=True)
+        rss: list = []
+        concurrent = run_concurrent(server.url, "bench", requests, args.max_tokens, args.clients, args.duration, rss)
+        peak_batch = server.state.scheduler.peak_batch
+    ratio = concurrent["tokens_per_s"] / sequential["tokens_per_s"] if sequential["tokens_per_s"] else None
+    result = {"model": loaded.name, "dtype": loaded.precision.name, "clients": args.clients, "max_batch": max_batch,
+              "max_tokens": args.max_tokens, "prompt_lengths": PROMPT_LENGTHS, "sequential": sequential,
+              "concurrent": concurrent, "throughput_ratio": ratio, "peak_batch": peak_batch,
+              "rss": rss_summary(rss), "rss_samples": rss}
+    s, c = sequential, concurrent
+    print(f"one at a time: {s['requests']} requests, {s['errors']} errors, {s['tokens_per_s']:.1f} tok/s, "
+          f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, ITL p50 {s['itl_ms']['p50']:.1f} ms")
+    print(f"{args.clients} clients:   {c['requests']} requests, {c['errors']} errors, {c['tokens_per_s']:.1f} tok/s "
+          f"(x{ratio:.2f}), TTFT p50 {c['ttft_ms']['p50']:.0f} / p99 {c['ttft_ms']['p99']:.0f} ms, "
+          f"ITL p50 {c['itl_ms']['p50']:.1f} / p99 {c['itl_ms']['p99']:.1f} ms, peak batch {peak_batch}")
+    r = result["rss"]
+    if "first_mb" in r:
+        print(f"RSS under load: first {r['first_mb']:.0f} MB, last {r['last_mb']:.0f} MB, max {r['max_mb']:.0f} MB, "
+              f"second-half slope {r['second_half_slope_mb_per_min']:+.1f} MB/min")
+    if c["error_examples"] or s["error_examples"]:
+        print("errors:", s["error_examples"] + c["error_examples"])
+    if args.out:
+        from toolkit.results import write_result
+
+        write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
