@@ -1,12 +1,17 @@
 """A result: one dict per bench/eval run holding the resolved config, the figures, the machine and the git
-revision, written atomically as JSON (the report layer of a later issue reads only these)."""
+revision, written atomically as JSON, and appended as one line to the results store (JSONL) that `specquant report`
+and `specquant recommend` read."""
 
+import fcntl
+import json
+import os
 import subprocess
 import time
 from pathlib import Path
 
 from toolkit.errors import SpecquantError
 from toolkit.fileio import write_json_atomic
+from toolkit.paths import home
 
 
 def git_revision() -> str | None:
@@ -33,3 +38,37 @@ def write_result(path: str | Path, result: dict) -> Path:
     if Path(path).expanduser().is_dir():
         raise SpecquantError(f"out={path} is a directory", "give a file path, e.g. out=bench.json")
     return write_json_atomic(path, result)
+
+
+def default_store() -> Path:
+    return home() / "results.jsonl"
+
+
+def store_path(store: str | None) -> Path | None:
+    """`store=` -> the JSONL file: null = $SPECQUANT_HOME/results.jsonl, "none"/"false" = no store."""
+    if store is None or store == "":
+        return default_store()
+    if str(store).lower() in ("none", "false", "off"):
+        return None
+    return Path(store).expanduser()
+
+
+def append_to_store(result: dict, store: str | None = None) -> Path | None:
+    """Append `result` as one JSON line. The line is written with a single write() on an O_APPEND descriptor
+    under an exclusive lock, so concurrent runs (a hydra multirun, two shells) never interleave or tear lines;
+    a reader skips a torn last line (see toolkit.report.store). Returns the store's path (None: no store)."""
+    path = store_path(store)
+    if path is None:
+        return None
+    if path.is_dir():
+        raise SpecquantError(f"store={path} is a directory", "give a .jsonl file path, e.g. store=results.jsonl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(result, default=str, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # closing releases the lock
+    return path

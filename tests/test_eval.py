@@ -1,0 +1,184 @@
+"""Quality evaluation: metrics on hand-checkable cases, the KV-cache feeding paths against plain passes, item
+building (deterministic, cached, >= 500 items from pydoc), the evaluate modules, and `specquant eval` end to end."""
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.errors import InputError
+from toolkit.evaluation.continuation import encode_pairs, score_continuations
+from toolkit.evaluation.forward import window_logits
+from toolkit.evaluation.items import build_cloze, build_mc, load_items, spread
+from toolkit.evaluation.metrics import Accumulator, kl_sum, perplexity, target_logprobs, top1_matches
+from toolkit.evaluation.perplexity import score_windows
+from toolkit.evaluation.suite import resolve_tasks
+from toolkit.evaluation.windows import make_windows
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pydoc_texts():
+    from toolkit.data import load_text
+
+    return list(load_text("pydoc", "evaluation")["text"])
+
+
+def test_uniform_logits_give_perplexity_equal_to_vocabulary_size():
+    vocab = 37
+    logits = torch.zeros(3, 11, vocab)
+    targets = torch.randint(0, vocab, (3, 11))
+    acc = Accumulator()
+    acc.add(logits, logits.clone(), targets)
+    assert acc.figures()["ppl"] == pytest.approx(vocab, rel=1e-5)
+    assert perplexity(-target_logprobs(logits, targets).sum().item(), targets.numel()) == pytest.approx(vocab)
+
+
+def test_kl_and_agreement_on_hand_checked_distributions():
+    ref = torch.log(torch.tensor([[0.5, 0.5]]))
+    got = torch.log(torch.tensor([[0.25, 0.75]]))
+    expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert kl_sum(ref, got) == pytest.approx(expected, rel=1e-5)
+    assert kl_sum(ref, ref) == pytest.approx(0.0, abs=1e-7)
+    assert top1_matches(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.tensor([[0.0, 1.0], [0.0, 1.0]])) == 1
+
+
+def test_windows_put_bos_first_and_do_not_overlap(tiny_tokenizer, pydoc_texts):
+    windows, protocol = make_windows(tiny_tokenizer, pydoc_texts, window=32, max_windows=5, data="pydoc/evaluation")
+    ids = tiny_tokenizer("\n\n".join(pydoc_texts), add_special_tokens=False).input_ids
+    assert windows.shape == (5, 32) and (windows[:, 0] == tiny_tokenizer.bos_token_id).all()
+    assert windows[:, 1:].reshape(-1).tolist() == ids[:5 * 31]
+    assert protocol.scored_tokens == 5 * 31 and "non-overlapping" in protocol.describe()
+    assert "BOS id" in protocol.describe()
+
+
+def test_model_against_itself_scores_kl_zero_and_agreement_one(tiny_model, tiny_tokenizer, pydoc_texts):
+    model, _ = tiny_model
+    windows, _ = make_windows(tiny_tokenizer, pydoc_texts, window=48, max_windows=3)
+    twin = copy.deepcopy(model)  # a different object: the two-model path runs, not the shortcut
+    figures = score_windows(model, windows, reference=twin)
+    assert figures["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert figures["top1_agreement"] == 1.0
+    assert figures["ppl"] == pytest.approx(figures["ref_ppl"], rel=1e-6)
+    assert score_windows(model, windows) == pytest.approx(figures, rel=1e-6, abs=1e-6)
+
+
+def test_a_perturbed_model_shows_kl_and_disagreement(tiny_llama_dir, tiny_tokenizer, pydoc_texts):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    noisy = copy.deepcopy(model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    windows, _ = make_windows(tiny_tokenizer, pydoc_texts, window=48, max_windows=3)
+    figures = score_windows(noisy, windows, reference=model)
+    assert figures["kl"] > 1e-3 and figures["top1_agreement"] < 1.0
+    assert figures["ppl"] != pytest.approx(figures["ref_ppl"], rel=1e-3)
+
+
+def test_feeding_windows_through_the_fp_cache_matches_one_pass(tiny_model, tiny_tokenizer, pydoc_texts):
+    model, _ = tiny_model
+    windows, _ = make_windows(tiny_tokenizer, pydoc_texts, window=40, max_windows=2)
+    whole = window_logits(model, windows)
+    chunked = window_logits(model, windows, "fp", chunk=16)
+    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)
+
+
+def test_continuations_through_the_cache_match_plain_passes_with_padding(tiny_model, tiny_tokenizer):
+    model, _ = tiny_model
+    pairs = [("The for statement is used to", " iterate"), ("A", " class definition defines a class object"),
+             ("Names refer to objects. Names are introduced by name binding", " operations")]
+    encoded = encode_pairs(tiny_tokenizer, pairs, max_context=64)
+    assert all(c[0] == tiny_tokenizer.bos_token_id for c, _ in encoded)
+    plain = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, batch_size=3)
+    cached = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, batch_size=3, kv_cfg="fp", cached=True)
+    alone = [score_continuations(model, [e], tiny_tokenizer.pad_token_id)[0] for e in encoded]
+    for a, b, c in zip(plain, cached, alone):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-3) == pytest.approx(c["logprob"], abs=1e-3)
+        assert a["greedy"] == b["greedy"] == c["greedy"]
+
+
+def test_items_are_deterministic_cached_and_plentiful(pydoc_texts, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECQUANT_HOME", str(tmp_path))
+    for task, builder in (("cloze", build_cloze), ("mc", build_mc)):
+        items, key = load_items(task, pydoc_texts, "pydoc/evaluation")
+        again, key2 = load_items(task, pydoc_texts, "pydoc/evaluation")
+        assert key == key2 and items == again == builder(pydoc_texts)
+        assert len(items) >= 500, f"{task}: only {len(items)} items from pydoc"
+        files = list((tmp_path / "eval-items").glob(f"{task}-*.json"))
+        assert len(files) == 1 and key.startswith(files[0].stem.split("-")[1])
+    cloze = build_cloze(pydoc_texts)
+    assert all(item["target"].strip().isalpha() and item["target"].strip() in item["context"] for item in cloze)
+    for item in build_mc(pydoc_texts):
+        assert len(item["endings"]) == 4 and len(set(item["endings"])) == 4
+        assert len({len(e.split()) for e in item["endings"]}) == 1
+    assert load_items("cloze", pydoc_texts[:-1])[1] != load_items("cloze", pydoc_texts)[1]
+
+
+def test_a_damaged_item_cache_is_rebuilt(pydoc_texts, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECQUANT_HOME", str(tmp_path))
+    items, _ = load_items("cloze", pydoc_texts)
+    path = next((tmp_path / "eval-items").glob("cloze-*.json"))
+    stored = json.loads(path.read_text())
+    stored["items"][0]["target"] = " tampered"
+    path.write_text(json.dumps(stored))
+    assert load_items("cloze", pydoc_texts)[0] == items
+    assert json.loads(path.read_text())["items"][0]["target"] != " tampered"
+
+
+def test_spread_takes_items_from_the_whole_list():
+    assert spread(list(range(10)), 5) == [0, 2, 4, 6, 8]
+    assert spread(list(range(3)), None) == [0, 1, 2]
+
+
+def test_task_names():
+    assert resolve_tasks("all") == ["ppl", "cloze", "mc", "gen"]
+    assert resolve_tasks("kl") == ["ppl"] and resolve_tasks("ppl+cloze") == ["ppl", "cloze"]
+    with pytest.raises(InputError):
+        resolve_tasks("lambada")
+
+
+def test_evaluate_module_loads_offline_by_path(tiny_llama_dir, pydoc_texts):
+    import evaluate
+
+    module = evaluate.load(str(ROOT / "eval" / "perplexity"))
+    out = module.compute(predictions=pydoc_texts, model=str(tiny_llama_dir), window=32, max_windows=2,
+                         engine={"dtype": "fp32", "threads": 1})
+    assert out["ppl"] == pytest.approx(out["ref_ppl"]) and out["kl"] == 0.0  # fp32 float: its own reference
+    assert out["protocol"]["windows"] == 2 and out["protocol"]["bos_token_id"] is not None
+
+
+def _specquant(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_eval_cli_writes_ppl_reference_and_protocol(tiny_llama_dir, tmp_path):
+    out, store = tmp_path / "e.json", tmp_path / "results.jsonl"
+    run = _specquant("eval", f"model={tiny_llama_dir}", "task=all", "window=48", "max_windows=2", "items=6",
+                     "gen_prompts=2", "gen_new_tokens=4", "engine.threads=1", f"out={out}", f"store={store}",
+                     env={"SPECQUANT_HOME": str(tmp_path / "home")})
+    assert run.returncode == 0, run.stderr + run.stdout
+    result = json.loads(out.read_text())
+    for key in ("ppl", "ref_ppl", "kl", "top1_agreement", "cloze_accuracy", "mc_accuracy", "gen_prefix_match"):
+        assert isinstance(result[key], float), key
+    assert result["kind"] == "eval" and result["config"]["model"]["name"] == str(tiny_llama_dir)
+    assert result["protocol"]["ppl"]["window"] == 48 and "BOS" in result["protocol"]["ppl"]["text"]
+    assert result["protocol"]["cloze"]["items"] == 6 and "machine" in result and "git_revision" in result
+    assert "protocol" in run.stdout and "perplexity" in run.stdout
+    lines = store.read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["ppl"] == result["ppl"]
+
+
+def test_eval_cli_rejects_an_unknown_task(tiny_llama_dir, tmp_path):
+    run = _specquant("eval", f"model={tiny_llama_dir}", "task=bogus", "store=none")
+    assert run.returncode == 2 and "unknown task" in run.stderr

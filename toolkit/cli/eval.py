@@ -1,0 +1,69 @@
+"""specquant eval: quality of a model as the engine runs it, against its reference (the float model in fp32 with a
+full-precision KV cache; see toolkit.evaluation.models), on held-out text; JSON to `out=`, a line to the store."""
+
+import sys
+
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from toolkit.evaluation.models import load_candidate, load_reference
+from toolkit.evaluation.suite import Settings, resolve_tasks, run_tasks
+from toolkit.kv import kv_kind
+from toolkit.machine import machine_facts
+from toolkit.results import append_to_store, make_result, write_result
+
+console = Console(width=None if sys.stdout.isatty() else 150)
+
+_SETTINGS = ("window", "max_windows", "batch_size", "chunk", "items", "max_context", "item_batch_size",
+             "gen_prompts", "gen_prompt_tokens", "gen_new_tokens")
+
+
+def evaluate_model(cfg) -> dict:
+    from toolkit.data import load_text
+
+    tasks = resolve_tasks(cfg.task)
+    kind = kv_kind(cfg.kv)
+    settings = Settings(**{key: cfg[key] for key in _SETTINGS})
+    loaded = load_candidate(cfg.model.name, cfg.engine)
+    reference, reference_name = load_reference(cfg.model.name, loaded, kind)
+    split = cfg.data.get("split", "evaluation")
+    texts = list(load_text(cfg.data.name, split)["text"])
+    data = f"{cfg.data.name}/{split}"
+    console.print(f"[bold]{loaded.name}[/] ({loaded.precision.name}, KV {kind}) vs reference {reference_name}")
+    out = run_tasks(loaded.model, loaded.tokenizer, texts, tasks, settings, reference, cfg.kv, data,
+                    log=lambda line: console.print(f"  protocol {line}", style="dim", highlight=False))
+    figures = {"model": loaded.name, "dtype": loaded.precision.name, "kv": kind, "data": data, "tasks": tasks,
+               "quant": getattr(loaded.model, "specquant_quant_label", None), "reference": reference_name,
+               **out["figures"], "protocol": out["protocol"], "seconds": out["seconds"]}
+    if "ppl" in figures:
+        figures["ppl_increase"] = figures["ppl"] / figures["ref_ppl"] - 1
+    return make_result("eval", OmegaConf.to_container(cfg, resolve=True), figures, machine_facts(measure=False))
+
+
+def print_figures(result: dict) -> None:
+    rows = [("perplexity", "ppl", "ref_ppl", "{:.3f}"), ("KL (nats/token)", "kl", None, "{:.5f}"),
+            ("top-1 agreement", "top1_agreement", None, "{:.4f}"),
+            ("cloze accuracy", "cloze_accuracy", "ref_cloze_accuracy", "{:.3f}"),
+            ("mc accuracy", "mc_accuracy", "ref_mc_accuracy", "{:.3f}"),
+            ("mc accuracy (norm)", "mc_accuracy_norm", "ref_mc_accuracy_norm", "{:.3f}"),
+            ("gen prefix match", "gen_prefix_match", None, "{:.3f}"),
+            ("gen token agreement", "gen_token_agreement", None, "{:.3f}")]
+    for label, key, ref, fmt in rows:
+        if key in result:
+            line = f"{label:<22}{fmt.format(result[key])}"
+            if ref:
+                line += f"   reference {fmt.format(result[ref])}"
+            console.print(line, highlight=False)
+    if "ppl_increase" in result:
+        console.print(f"{'ppl increase':<22}{100 * result['ppl_increase']:+.2f}%", highlight=False)
+
+
+def run(cfg) -> dict:
+    result = evaluate_model(cfg)
+    print_figures(result)
+    if cfg.out:
+        console.print(f"wrote {write_result(cfg.out, result)}")
+    stored = append_to_store(result, cfg.store)
+    if stored:
+        console.print(f"appended to {stored}", style="dim")
+    return result

@@ -1,0 +1,33 @@
+"""The candidate (as the engine runs it) and its reference (the float model in fp32, full-precision KV cache).
+
+For a quantized checkpoint the reference is the float model it was quantized from (its manifest's `source`); for a
+float model, the same weights in fp32. When the candidate already is that (float, fp32 weights and activations,
+fp KV cache), it is its own reference (None) and every task runs once."""
+
+import torch
+from omegaconf import OmegaConf
+
+DEFAULT_ENGINE = {"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": None, "compile": False}
+
+
+def load_candidate(name: str, engine_cfg=None):
+    from toolkit.engine.setup import load_engine_model
+
+    loaded = load_engine_model(name, OmegaConf.create({**DEFAULT_ENGINE, **(engine_cfg or {})})
+                               if not OmegaConf.is_config(engine_cfg) else engine_cfg)
+    loaded.model.eval()
+    return loaded
+
+
+def load_reference(name: str, loaded, kind: str = "fp"):
+    """(reference model, or None when the candidate is its own reference; a description of it)."""
+    from toolkit.models import load_model
+    from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
+
+    if is_quantized_checkpoint(name):
+        source = read_manifest(name)["source"]
+        return load_model(source, dtype=torch.float32).model.eval(), f"{source} fp32 (the checkpoint's float source)"
+    precision = loaded.precision
+    if precision.compute == torch.float32 and precision.weights == torch.float32 and kind == "fp":
+        return None, f"{loaded.name} fp32 itself (fp32 weights and activations, fp KV cache)"
+    return load_model(name, dtype=torch.float32).model.eval(), f"{loaded.name} fp32 with the fp KV cache"

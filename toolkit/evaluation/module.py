@@ -1,0 +1,21 @@
+"""What the `evaluate` modules in eval/ call: load a model and its reference, run one task on the given texts.
+The modules stay thin (features, docs); the maths lives here so the library never imports eval/."""
+
+from toolkit.evaluation.models import load_candidate, load_reference
+from toolkit.evaluation.suite import Settings, run_tasks
+
+DESCRIPTION = """Inputs: `predictions`, the held-out documents (strings) the task is built from. Keyword arguments:
+`model` (registry name, model directory or quantized checkpoint), `kv` (KV cache kind, default fp), `engine` (a
+dict of engine settings, default the engine's auto precision), and any protocol setting of toolkit.evaluation.suite.
+Settings (window, max_windows, chunk, items, max_context, gen_prompts, gen_prompt_tokens, gen_new_tokens).
+The reference is the float model in fp32 with an fp KV cache (a checkpoint's float source). The result holds the
+figures and the protocol they were measured under."""
+
+
+def compute(task: str, texts: list[str], model: str, kv: str = "fp", engine: dict | None = None,
+            data: str = "text", **settings) -> dict:
+    loaded = load_candidate(model, engine)
+    reference, reference_name = load_reference(model, loaded, kv)
+    out = run_tasks(loaded.model, loaded.tokenizer, list(texts), [task], Settings(**settings), reference, kv, data,
+                    log=lambda line: None)
+    return {**out["figures"], "protocol": out["protocol"][task], "reference": reference_name}

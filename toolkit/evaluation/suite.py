@@ -1,0 +1,89 @@
+"""Run the quality tasks on a candidate model against its reference and collect figures with their protocols.
+
+Tasks: `ppl` (perplexity), `kl` (KL divergence and top-1 agreement; same windows and passes as ppl, so asking for
+either computes both), `cloze`, `mc`, `gen`. A full-precision KV cache hands back exactly what was stored, so
+with kv=fp every task runs plain forward passes; with a quantized kind, windows are fed `chunk` tokens at a time
+and cloze/mc passages are fed context-then-continuation through the cache (see forward.py, continuation.py)."""
+
+import time
+from dataclasses import asdict, dataclass
+
+from toolkit.errors import InputError
+from toolkit.evaluation.choice import score_choice
+from toolkit.evaluation.cloze import score_cloze
+from toolkit.evaluation.generation import gen_prompts, score_generation
+from toolkit.evaluation.items import load_items, spread
+from toolkit.evaluation.perplexity import score_windows
+from toolkit.evaluation.windows import make_windows
+from toolkit.kv import kv_kind
+
+TASKS = ("ppl", "kl", "cloze", "mc", "gen")
+
+
+@dataclass
+class Settings:
+    window: int = 512
+    max_windows: int | None = 32  # caps a long evaluation split (austen's Persuasion is ~200 windows)
+    batch_size: int = 2  # windows per forward pass
+    chunk: int | None = 128  # tokens per pass through a quantized KV cache; null: one pass (cache never read)
+    items: int | None = 500  # cloze / mc items evaluated (evenly spread over all built); null: all
+    max_context: int = 128  # passage tokens (BOS included) before a cloze target or mc ending
+    item_batch_size: int = 16
+    gen_prompts: int = 8
+    gen_prompt_tokens: int = 64
+    gen_new_tokens: int = 32
+
+
+def resolve_tasks(task: str | list[str]) -> list[str]:
+    names = list(TASKS) if task == "all" else ([task] if isinstance(task, str) else list(task))
+    names = [n.strip() for name in names for n in str(name).split("+")]
+    unknown = [n for n in names if n not in TASKS]
+    if unknown or not names:
+        raise InputError(f"unknown task {'+'.join(unknown) or task!r}",
+                         f"use task= one of {', '.join(TASKS)}, all, or several joined by + (task=ppl+cloze)")
+    return list(dict.fromkeys("ppl" if n == "kl" else n for n in names))
+
+
+def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Settings, reference=None,
+              kv_cfg=None, data: str = "text", log=print) -> dict:
+    """{"figures": flat dict of numbers, "protocol": {task: description dict}, "seconds": {task: wall time}}.
+    reference=None: the model is its own reference."""
+    kind = kv_kind(kv_cfg)
+    through_cache = kind != "fp"
+    figures, protocol, seconds = {}, {}, {}
+    reference_note = "its own (same model, fp cache)" if reference is None else "the reference model, fp KV cache"
+    for task in tasks:
+        start = time.perf_counter()
+        if task == "ppl":
+            windows, proto = make_windows(tokenizer, texts, settings.window, settings.max_windows, data)
+            chunk = settings.chunk if through_cache else None
+            proto = type(proto)(**{**asdict(proto), "chunk": chunk, "kv": kind})
+            log(f"ppl/kl/top-1: {proto.describe()}")
+            figures.update(score_windows(model, windows, reference, kv_cfg, chunk, settings.batch_size))
+            protocol["ppl"] = {**proto.to_dict(), "reference": reference_note,
+                               "kl": "KL(reference || candidate), nats per scored token, same windows"}
+        elif task in ("cloze", "mc"):
+            items, key = load_items(task, texts, data)
+            chosen = spread(items, settings.items)
+            scorer = score_cloze if task == "cloze" else score_choice
+            describe = (f"{data}: {len(chosen)} of {len(items)} {task} items (content hash {key[:16]}), "
+                        f"passages cut to {settings.max_context} tokens (BOS first)"
+                        + (", fed context-then-continuation through the KV cache" if through_cache else ""))
+            log(f"{task}: {describe}")
+            figures.update(scorer(model, tokenizer, chosen, reference, settings.max_context,
+                                  settings.item_batch_size, kv_cfg, through_cache))
+            protocol[task] = {"items": len(chosen), "built": len(items), "items_hash": key,
+                              "max_context": settings.max_context, "kv": kind, "text": describe,
+                              "reference": reference_note}
+        elif task == "gen":
+            prompts = gen_prompts(tokenizer, texts, settings.gen_prompts, settings.gen_prompt_tokens)
+            describe = (f"{data}: {len(prompts)} prompts x {settings.gen_prompt_tokens} tokens, "
+                        f"{settings.gen_new_tokens} greedy tokens each through the engine (candidate KV cache: "
+                        f"{kind}); stop tokens ignored")
+            log(f"gen: {describe}")
+            figures.update(score_generation(model, tokenizer, prompts, settings.gen_new_tokens, reference, kv_cfg))
+            protocol["gen"] = {"prompts": len(prompts), "prompt_tokens": settings.gen_prompt_tokens,
+                               "new_tokens": settings.gen_new_tokens, "kv": kind, "text": describe,
+                               "reference": reference_note}
+        seconds[task] = round(time.perf_counter() - start, 2)
+    return {"figures": figures, "protocol": protocol, "seconds": seconds}
