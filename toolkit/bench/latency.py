@@ -67,7 +67,8 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
     if repeats < 1 or new_tokens < 2:
         raise InputError("bench needs repeats >= 1 and new_tokens >= 2 (one inter-token latency at least)",
                          "raise repeats / new_tokens")
-    paths = {"engine": lambda ids: _engine_run(engine_model, tokenizer, ids, new_tokens, kv)}
+    kv_seen = []  # (tokens, bytes) the engine's KV cache held at the end of each run
+    paths = {"engine": lambda ids: _engine_run(engine_model, tokenizer, ids, new_tokens, kv, kv_seen)}
     if reference_model is not None:
         paths["baseline"] = lambda ids: hf_generate_timed(reference_model, ids, new_tokens)
 
@@ -90,6 +91,9 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
 
     mean_context = statistics.mean(len(ids) for ids in prompts) + new_tokens / 2
     result = _path_summary(engine_model, timings["engine"], peaks["engine"], mean_context, bandwidth)
+    kv_tokens, kv_bytes = max(kv_seen)
+    result.update(kv_tokens=kv_tokens, kv_bytes=kv_bytes,
+                  kv_ratio_to_bf16=kv_bytes / (kv_bytes_per_token(engine_model, torch.bfloat16) * kv_tokens))
     if reference_model is not None:
         result["baseline"] = _path_summary(reference_model, timings["baseline"], peaks["baseline"], mean_context,
                                            bandwidth, name="transformers generate()")
@@ -109,8 +113,10 @@ def _path_summary(model, timings, peak_mb, mean_context, bandwidth, **extra) -> 
     return summary
 
 
-def _engine_run(model, tokenizer, ids: list[int], new_tokens: int, kv=None):
+def _engine_run(model, tokenizer, ids: list[int], new_tokens: int, kv=None, kv_seen=None):
     out = generate(model, tokenizer, [ids], new_tokens, stop_tokens=set(), kv=kv)
+    if kv_seen is not None:  # the last sampled token is never fed back, so the cache holds one fewer
+        kv_seen.append((len(ids) + len(out.sequences[0].token_ids) - 1, out.kv_bytes))
     return out.sequences[0].token_ids, out.timing
 
 

@@ -14,7 +14,7 @@ from toolkit.errors import InputError
 from toolkit.machine import machine_facts
 from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 from toolkit.quant.formats import export_source, is_foreign_quantized
-from toolkit.results import make_result, write_result
+from toolkit.results import append_to_store, make_result, write_result
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -94,4 +94,7 @@ def run(cfg) -> dict:
     print_table(result)
     if cfg.out:
         console.print(f"wrote {write_result(cfg.out, result)}")
+    # every run also lands in the results store that `specquant report` reads (+store=PATH, or +store=none)
+    if stored := append_to_store(result, cfg.get("store")):
+        console.print(f"appended to {stored}", style="dim")
     return result

@@ -34,6 +34,7 @@ class SequenceOutput:
 class GenerationResult:
     sequences: list[SequenceOutput]
     timing: GenerationTiming
+    kv_bytes: int = 0  # bytes the KV cache held at the end (its `nbytes`: what the last decode step read)
 
 
 def context_length(model) -> int:
@@ -215,4 +216,4 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
                 on_token(row, None, rest)
             text = detok[row].text
         sequences.append(SequenceOutput(len(encoded[row]), generated[row], text, finish[row] or "length"))
-    return GenerationResult(sequences, watch.timing(width, batch))
+    return GenerationResult(sequences, watch.timing(width, batch), kv_bytes=cache.nbytes)

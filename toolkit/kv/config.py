@@ -1,0 +1,46 @@
+"""The options of a quantized KV cache, read once from a `kv` config node (conf/kv/*.yaml) and checked."""
+
+from dataclasses import dataclass
+
+from toolkit.errors import InputError
+from toolkit.kv.quantize import ALLOWED_BITS
+
+DEQUANT_MODES = ("full", "cached")
+
+
+@dataclass(frozen=True)
+class KVQuantConfig:
+    bits: int = 4
+    group_size: int = 32  # tokens per key scale (per channel); channels per value scale, capped at head_dim
+    residual: int = 128  # the most recent tokens kept in full precision (KIVI's R)
+    hierarchical: bool = False  # INT8 stored as two INT4 planes; the high plane is a valid INT4 cache
+    crop_shadow: bool = True  # keep the last flushed group in full precision so crop stays exact (see layer)
+    dequant: str = "full"  # "full": dequantize the quantized part per step; "cached": keep a float copy (no saving)
+
+    def __post_init__(self):
+        if self.bits not in ALLOWED_BITS:
+            raise InputError(f"kv.bits={self.bits} is not supported", f"use kv.bits one of {ALLOWED_BITS}")
+        if self.group_size < 8 or self.group_size & (self.group_size - 1):
+            raise InputError(f"kv.group_size={self.group_size} is not a power of two >= 8",
+                             "use kv.group_size=32, 64 or 128")
+        if self.residual < 0:
+            raise InputError(f"kv.residual={self.residual} is negative", "use kv.residual >= 0 (default 128)")
+        if self.hierarchical and self.bits != 8:
+            raise InputError("kv.hierarchical=true needs 8-bit codes", "use kv=int8 kv.hierarchical=true")
+        if self.dequant not in DEQUANT_MODES:
+            raise InputError(f"kv.dequant={self.dequant!r} is unknown", f"use one of {DEQUANT_MODES}")
+
+    @classmethod
+    def from_node(cls, node) -> "KVQuantConfig":
+        get = node.get if hasattr(node, "get") else (lambda k, d=None: d)
+        return cls(bits=int(get("bits", 4)), group_size=int(get("group_size", 32)), residual=int(get("residual", 128)),
+                   hierarchical=bool(get("hierarchical", False)), crop_shadow=bool(get("crop_shadow", True)),
+                   dequant=str(get("dequant", "full")))
+
+    def flushed_tokens(self, length: int) -> int:
+        """Tokens held quantized when `length` are cached: the largest whole number of groups leaving at least
+        `residual` tokens in full precision. A function of the length alone, so the state never depends on how
+        the tokens were chunked (prefill, decode, speculative verify): what makes crop-then-append exact."""
+        if length <= self.residual:
+            return 0
+        return (length - self.residual) // self.group_size * self.group_size
