@@ -88,10 +88,19 @@ def print_table(result: dict) -> None:
 
 
 def run(cfg) -> dict:
-    result = bench(cfg.model.name, cfg.engine, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens, cfg.n_prompts,
-                   cfg.repeats, cfg.warmup, cfg.baseline, cfg.baseline_dtype,
-                   OmegaConf.to_container(cfg, resolve=True), kv=cfg.kv)
-    print_table(result)
+    spec = cfg.get("spec")
+    if spec is not None and spec.kind != "none":  # the same target without vs with speculation (toolkit/bench/spec)
+        from toolkit.bench.spec import print_spec_table, spec_bench
+
+        result = spec_bench(cfg.model.name, cfg.engine, spec, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens,
+                            cfg.n_prompts, cfg.repeats, cfg.warmup, OmegaConf.to_container(cfg, resolve=True),
+                            kv=cfg.kv)
+        print_spec_table(result, console)
+    else:
+        result = bench(cfg.model.name, cfg.engine, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens, cfg.n_prompts,
+                       cfg.repeats, cfg.warmup, cfg.baseline, cfg.baseline_dtype,
+                       OmegaConf.to_container(cfg, resolve=True), kv=cfg.kv)
+        print_table(result)
     if cfg.out:
         console.print(f"wrote {write_result(cfg.out, result)}")
     # every run also lands in the results store that `specquant report` reads (+store=PATH, or +store=none)

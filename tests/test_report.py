@@ -1,0 +1,136 @@
+"""The report layer on a small fixture store: rows join eval and bench results, the Markdown table carries a
+protocol beside every number, the Pareto front is right, the PNG and the self-contained HTML are produced, and
+recommend picks the fastest configuration within the budget."""
+
+import json
+import os
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import pytest
+
+from toolkit.errors import DataError
+from toolkit.report.markdown import render_markdown
+from toolkit.report.pareto import pareto_front, plot_pareto
+from toolkit.report.recommend import recommend
+from toolkit.report.rows import build_rows
+from toolkit.report.store import read_store
+from toolkit.results import append_to_store
+
+# (model, kv, ppl, decode tokens/s): ref ppl is 10.0 for all
+CONFIGS = [("smollm2-135m", "fp", 10.0, 30.0), ("ckpt/smollm2-135m-gptq-w4g64", "fp", 10.25, 55.0),
+           ("ckpt/smollm2-135m-rtn-w4g64", "fp", 10.6, 56.0), ("ckpt/smollm2-135m-rtn-w8", "int8", 10.02, 45.0),
+           ("ckpt/smollm2-135m-gptq-w3g64", "fp", 11.5, 50.0)]
+
+
+def _eval(model, kv, ppl, data="pydoc/evaluation"):
+    return {"kind": "eval", "config": {"model": {"name": model}, "kv": {"kind": kv}}, "model": model, "kv": kv,
+            "data": data, "ppl": ppl, "ref_ppl": 10.0, "kl": 0.01, "top1_agreement": 0.95, "cloze_accuracy": 0.4,
+            "ref_cloze_accuracy": 0.41, "mc_accuracy": 0.5, "ref_mc_accuracy": 0.52, "gen_prefix_match": 0.8,
+            "reference": "smollm2-135m fp32", "protocol": {"ppl": {"text": "pydoc/evaluation, 27 x 512-token windows"}}}
+
+
+def _bench(model, kv, tps):
+    return {"kind": "bench", "config": {"model": {"name": model}, "kv": {"kind": kv}, "spec": {"kind": "none"}},
+            "model": model, "prompts": "open", "prompt_tokens": 128, "new_tokens": 64, "runs": 6, "threads": 2,
+            "dtype": "int4", "decode_tokens_per_s": tps, "ttft_ms": 200.0, "itl_ms": {"p50": 1000 / tps},
+            "speedup_vs_baseline": tps / 20, "machine": {"cpu": "AMD EPYC"}}
+
+
+@pytest.fixture
+def store(tmp_path):
+    path = tmp_path / "results.jsonl"
+    append_to_store(_eval("ckpt/smollm2-135m-gptq-w4g64", "fp", 99.0), str(path))  # superseded by the later one
+    for model, kv, ppl, tps in CONFIGS:
+        append_to_store(_eval(model, kv, ppl), str(path))
+        append_to_store(_bench(model, kv, tps), str(path))
+    append_to_store(_eval("smollm2-135m", "fp", 50.0, data="austen/evaluation"), str(path))  # other dataset
+    with open(path, "a") as f:
+        f.write('{"kind": "eval", "ppl": 1')  # a torn last line
+    return path
+
+
+def test_store_lines_join_into_configuration_rows(store):
+    results, skipped = read_store(store)
+    assert skipped == 1 and len(results) == 12
+    rows = build_rows(results, "pydoc")
+    assert [r.model for r in rows] == [c[0] for c in [CONFIGS[1], CONFIGS[0], *CONFIGS[2:]]]
+    gptq = next(r for r in rows if "gptq-w4g64" in r.model)
+    assert gptq.ppl_increase == pytest.approx(0.025) and gptq.tokens_per_s == 55.0
+    assert next(r for r in rows if r.model == "smollm2-135m").quality["ppl"] == 10.0  # austen row filtered out
+    with pytest.raises(DataError):
+        read_store(store.parent / "missing.jsonl")
+
+
+def test_markdown_table_has_a_protocol_mark_beside_every_number(store):
+    rows = build_rows(read_store(store)[0], "pydoc")
+    text = render_markdown(rows, "Benchmarks")
+    table = [line for line in text.splitlines() if line.startswith("| ") and "configuration" not in line]
+    assert len(table) == len(CONFIGS)
+    for line in table:
+        for cell in line.strip("| ").split(" | ")[1:]:
+            assert cell == "—" or "[q1]" in cell or "[s1]" in cell, cell
+    assert "- **[q1]** pydoc/evaluation, 27 x 512-token windows" in text and "**[s1]**" in text
+    assert "10.250 (10.000) [q1]" in text and "+2.50% [q1]" in text and "55.0 [s1]" in text
+
+
+def test_pareto_front_on_hand_checked_points():
+    #          fast+bad   slow+good   dominated   fastest+worst
+    points = [(50, 2.0), (30, 0.0), (40, 3.0), (56, 6.0)]
+    assert pareto_front(points) == [1, 0, 3]
+
+
+def test_recommend_picks_the_fastest_within_budget(store):
+    rows = build_rows(read_store(store)[0], "pydoc")
+    best, why = recommend(rows, 0.03)
+    assert best.model == "ckpt/smollm2-135m-gptq-w4g64"
+    assert any("rtn-w4g64" in line and "over budget" in line for line in why)
+    assert recommend(rows, 0.001)[0].model == "smollm2-135m"
+    assert recommend(rows, 0.2)[0].model == "ckpt/smollm2-135m-rtn-w4g64"
+    with pytest.raises(DataError):
+        recommend(rows, -0.5)
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.sources, self.rows = [], [], 0
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        attrs = dict(attrs)
+        for key in ("src", "href"):
+            if key in attrs:
+                self.sources.append(attrs[key])
+        self.rows += tag == "tr"
+
+
+def test_report_cli_writes_table_png_and_self_contained_html(store, tmp_path):
+    out, png, page = tmp_path / "BENCHMARKS.md", tmp_path / "pareto.png", tmp_path / "report.html"
+    run = subprocess.run([sys.executable, "-m", "toolkit", "report", f"store={store}", f"out={out}", f"png={png}",
+                          f"html={page}"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert "| smollm2-135m-gptq-w4g64, kv fp, spec none |" in out.read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    assert Image.open(png).size[0] >= 800
+    parsed = _Page()
+    parsed.feed(page.read_text())
+    assert parsed.rows == len(CONFIGS) + 1 and "img" in parsed.tags and "script" not in parsed.tags
+    assert parsed.sources and all(s.startswith("data:image/png;base64,") for s in parsed.sources)  # no network
+    rec = subprocess.run([sys.executable, "-m", "toolkit", "recommend", "max_ppl_increase=0.03", f"store={store}"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert rec.returncode == 0 and "smollm2-135m-gptq-w4g64" in rec.stdout.splitlines()[0]
+
+
+def test_concurrent_appends_never_tear_lines(tmp_path):
+    path = tmp_path / "results.jsonl"
+    code = ("import sys; from toolkit.results import append_to_store\n"
+            "for i in range(50): append_to_store({'kind': 'eval', 'i': i, 'pad': 'x' * 5000}, sys.argv[1])")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)]) for _ in range(3)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 150 and all(json.loads(line)["kind"] == "eval" for line in lines)

@@ -1,0 +1,57 @@
+"""Rows -> the Markdown body of BENCHMARKS.md. Every number cell carries a protocol mark ([q1], [s1]) that points
+to the protocol it was measured under, listed under the table: the protocol sits beside every number."""
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def protocol_marks(rows) -> tuple[dict, dict]:
+    quality, speed = {}, {}
+    for row in rows:
+        if row.quality_protocol:
+            quality.setdefault(row.quality_protocol, f"q{len(quality) + 1}")
+        if row.speed_protocol:
+            speed.setdefault(row.speed_protocol, f"s{len(speed) + 1}")
+    return quality, speed
+
+
+COLUMNS = ["configuration", "ppl (ref)", "Δppl", "KL", "top-1", "cloze (ref)", "mc (ref)", "gen prefix",
+           "decode tok/s", "TTFT ms", "ITL p50 ms", "x transformers"]
+
+
+def cells(row, qmarks: dict, smarks: dict) -> list[str]:
+    q, s = row.quality, row.speed
+    qm = f" [{qmarks[row.quality_protocol]}]" if row.quality_protocol else ""
+    sm = f" [{smarks[row.speed_protocol]}]" if row.speed_protocol else ""
+
+    def qv(text):
+        return text + qm if text != "—" else text
+
+    def sv(text):
+        return text + sm if text != "—" else text
+
+    ppl = f"{q['ppl']:.3f} ({q['ref_ppl']:.3f})" if "ppl" in q else "—"
+    cloze = f"{q['cloze_accuracy']:.3f} ({q['ref_cloze_accuracy']:.3f})" if "cloze_accuracy" in q else "—"
+    mc = f"{q['mc_accuracy']:.3f} ({q['ref_mc_accuracy']:.3f})" if "mc_accuracy" in q else "—"
+    increase = row.ppl_increase
+    itl = (s.get("itl_ms") or {}).get("p50")
+    return [row.label, qv(ppl), qv(_fmt(None if increase is None else 100 * increase, "+.2f") + ("%" if increase
+            is not None else "")), qv(_fmt(q.get("kl"), ".4f")), qv(_fmt(q.get("top1_agreement"), ".3f")), qv(cloze),
+            qv(mc), qv(_fmt(q.get("gen_prefix_match"), ".3f")), sv(_fmt(s.get("decode_tokens_per_s"), ".1f")),
+            sv(_fmt(s.get("ttft_ms"), ".1f")), sv(_fmt(itl, ".1f")), sv(_fmt(s.get("speedup_vs_baseline"), ".2f"))]
+
+
+def render_markdown(rows, title: str = "Benchmarks", note: str = "") -> str:
+    qmarks, smarks = protocol_marks(rows)
+    lines = [f"# {title}", ""]
+    if note:
+        lines += [note, ""]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(row, qmarks, smarks)) + " |" for row in rows]
+    lines += ["", "Δppl: perplexity over the reference's on the same windows. ref: the reference model (the float "
+              "model in fp32 with a full-precision KV cache). x transformers: decode tokens/s over transformers "
+              "`generate()` (fp32) interleaved in the same run.", "", "## Protocols", ""]
+    lines += [f"- **[{mark}]** {text}" for text, mark in qmarks.items()]
+    lines += [f"- **[{mark}]** {text}" for text, mark in smarks.items()]
+    return "\n".join(lines) + "\n"
