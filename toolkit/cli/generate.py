@@ -46,8 +46,18 @@ def run(cfg) -> dict:
 
     if streaming:
         sys.stdout.write(texts[0] if not cfg.chat else "")
-    result = generate(loaded.model, loaded.tokenizer, texts, cfg.new_tokens, sampling,
-                      stop_strings=list(cfg.stop), on_token=on_token if streaming else None, kv=cfg.kv)
+    spec = cfg.get("spec")
+    if spec is not None and spec.kind != "none":  # speculative decoding (toolkit/spec): same outputs, fewer passes
+        from toolkit.spec.build import build_draft, draft_length
+        from toolkit.spec.decode import speculative_generate
+
+        draft = build_draft(spec, loaded.model, loaded.tokenizer, sampling, cfg.engine)
+        result = speculative_generate(loaded.model, loaded.tokenizer, texts, cfg.new_tokens, draft, draft_length(spec),
+                                      sampling, stop_strings=list(cfg.stop),
+                                      on_token=on_token if streaming else None, kv=cfg.kv)
+    else:
+        result = generate(loaded.model, loaded.tokenizer, texts, cfg.new_tokens, sampling,
+                          stop_strings=list(cfg.stop), on_token=on_token if streaming else None, kv=cfg.kv)
     if streaming:
         sys.stdout.write("\n")
     else:
@@ -59,6 +69,13 @@ def run(cfg) -> dict:
                   f"ITL p50 {summary['itl_ms']['p50']:.1f} ms | decode {summary['decode_tokens_per_s']:.1f} tok/s | "
                   f"peak RSS {summary['peak_rss_mb']:.0f} MB[/]",
                   highlight=False)
+    if getattr(result, "stats", None) is not None:
+        stats = result.stats.summary()
+        summary["spec"] = stats
+        console.print(f"[dim]spec={spec.kind}: acceptance {stats['acceptance_rate']:.2f} | "
+                      f"mean accepted {stats['mean_accepted']:.2f} per round | {stats['rounds']} target passes | "
+                      f"draft {stats['draft_s'] * 1e3:.0f} ms, verify {stats['verify_s'] * 1e3:.0f} ms | "
+                      f"{stats['tokens_per_s']:.1f} tok/s end to end[/]", highlight=False)
     record = {"model": loaded.name, "dtype": loaded.precision.name, "timing": summary,
               "outputs": [{"prompt": t, "text": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason}
                           for t, s in zip(texts, result.sequences)],

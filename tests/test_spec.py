@@ -1,0 +1,303 @@
+"""Speculative decoding (toolkit/spec): greedy identity with the target alone for every draft, batch and cache kind;
+the accept/resample rule against the exact distribution; rollback; the draft-length policy; clear errors."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from toolkit.engine.generate import generate
+from toolkit.engine.sampling import SamplingParams, probabilities
+from toolkit.errors import InputError
+from toolkit.spec.decode import DraftLength, speculative_generate
+from toolkit.spec.drafts import LookupDraft, ModelDraft
+from toolkit.spec.ragged import RaggedBatch
+from toolkit.spec.self_draft import build_self_draft
+from toolkit.spec.verify import greedy_verify, rejection_verify, residual
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread, and other jobs share the cores: spinning threads only slow all down."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _prompts(n: int) -> list[str]:
+    """Varied prompts from offline text: some repeat themselves (lookup finds matches), some do not."""
+    import pydoc_data.topics
+
+    texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 400]
+    out = []
+    for i in range(n):
+        text = texts[(7 * i) % len(texts)]
+        start = (37 * i) % 200
+        chunk = text[start:start + 60 + 13 * (i % 5)]
+        out.append(chunk + " " + chunk[:25] if i % 2 else chunk)
+    return out
+
+
+def _drafts(model, tokenizer, other):
+    return {
+        "lookup": lambda: LookupDraft(3, 1),
+        "self-int4-1layer": lambda: ModelDraft(build_self_draft(model, layers=1, bits=4, group_size=32)),
+        "self-all-layers": lambda: ModelDraft(build_self_draft(model, bits=None)),
+        "other-model": lambda: ModelDraft(other, target_tokenizer=tokenizer, draft_tokenizer=tokenizer,
+                                          target_vocab=model.get_output_embeddings().weight.shape[0]),
+    }
+
+
+@pytest.fixture(scope="module")
+def llama_and_gemma(tiny_llama_dir, tiny_gemma3_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    llama = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    gemma = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.float32).eval()
+    return llama, gemma, AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def _ids(result):
+    return [s.token_ids for s in result.sequences]
+
+
+@pytest.mark.parametrize("draft_name", ["lookup", "self-int4-1layer", "self-all-layers", "other-model"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_output_is_the_target_alone_one_sequence_at_a_time(llama_and_gemma, arch, draft_name):
+    llama, gemma, tok = llama_and_gemma
+    model, other = (llama, gemma) if arch == "llama" else (gemma, llama)
+    prompts = _prompts(8)
+    reference = _ids(generate(model, tok, prompts, 16, stop_tokens=set()))
+    make = _drafts(model, tok, other)[draft_name]
+    for i, prompt in enumerate(prompts):
+        length = DraftLength(k=1 + i % 5, adaptive=i % 2 == 1, k_min=1, k_max=6)
+        out = speculative_generate(model, tok, [prompt], 16, make(), length, stop_tokens=set())
+        assert out.sequences[0].token_ids == reference[i], (draft_name, i)
+
+
+@pytest.mark.parametrize("draft_name", ["lookup", "self-int4-1layer", "self-all-layers", "other-model"])
+def test_a_batch_keeps_different_lengths_per_row_and_equals_each_row_alone(llama_and_gemma, draft_name):
+    llama, gemma, tok = llama_and_gemma
+    prompts = _prompts(6)
+    reference = _ids(generate(llama, tok, prompts, 16, stop_tokens=set()))
+    alone = [speculative_generate(llama, tok, [p], 16, _drafts(llama, tok, gemma)[draft_name](), DraftLength(4),
+                                  stop_tokens=set()).sequences[0].token_ids for p in prompts]
+    batched = speculative_generate(llama, tok, prompts, 16, _drafts(llama, tok, gemma)[draft_name](),
+                                   DraftLength(4), stop_tokens=set())
+    assert _ids(batched) == alone == reference
+    if draft_name != "self-all-layers":  # the full self-draft is the target: it always keeps everything
+        assert len(batched.stats.histogram) > 1  # rows really did keep different numbers of tokens
+
+
+def test_quantized_kv_caches_roll_back_exactly(llama_and_gemma):
+    """With every KV cache kind the engine offers, speculation reproduces the engine on that same cache."""
+    from toolkit.kv import KINDS
+
+    llama, gemma, tok = llama_and_gemma
+    prompts = _prompts(4)
+    for kind in KINDS:
+        reference = _ids(generate(llama, tok, prompts, 16, stop_tokens=set(), kv=kind))
+        for make in (lambda: LookupDraft(), lambda: ModelDraft(build_self_draft(llama, bits=None), kv=kind)):
+            alone = [speculative_generate(llama, tok, [p], 16, make(), DraftLength(3), stop_tokens=set(),
+                                          kv=kind).sequences[0].token_ids for p in prompts]
+            assert alone == reference, kind
+
+
+def test_stop_tokens_and_the_token_budget_are_exact(llama_and_gemma):
+    llama, _, tok = llama_and_gemma
+    prompts = _prompts(6)
+    free = _ids(generate(llama, tok, prompts, 30, stop_tokens=set()))
+    stop = {free[0][7], free[3][12]}  # tokens that occur mid-generation
+    reference = generate(llama, tok, prompts, 30, stop_tokens=stop)
+    for draft in (LookupDraft(), ModelDraft(build_self_draft(llama, bits=None))):
+        out = speculative_generate(llama, tok, prompts, 30, draft, DraftLength(6), stop_tokens=stop)
+        assert _ids(out) == _ids(reference)
+        assert [s.finish_reason for s in out.sequences] == [s.finish_reason for s in reference.sequences]
+        assert all(len(s.token_ids) <= 30 and not stop & set(s.token_ids) for s in out.sequences)
+    for n in (1, 2, 5):  # budgets below k: the self-draft would keep everything, so only the budget stops it
+        out = speculative_generate(llama, tok, prompts[:2], n, ModelDraft(build_self_draft(llama, bits=None)),
+                                   DraftLength(8), stop_tokens=set())
+        assert [len(s.token_ids) for s in out.sequences] == [n, n]
+
+
+def test_stop_strings_cut_the_text_as_the_engine_does(llama_and_gemma):
+    llama, _, tok = llama_and_gemma
+    prompt = _prompts(2)[1]
+    free = generate(llama, tok, [prompt], 30, stop_tokens=set()).sequences[0].text
+    stop = free[10:13]
+    reference = generate(llama, tok, [prompt], 30, stop_tokens=set(), stop_strings=[stop]).sequences[0]
+    out = speculative_generate(llama, tok, [prompt], 30, LookupDraft(), DraftLength(5), stop_tokens=set(),
+                               stop_strings=[stop]).sequences[0]
+    assert (out.text, out.finish_reason) == (reference.text, reference.finish_reason) and stop not in out.text
+
+
+def test_rollback_leaves_the_cache_as_if_the_rejected_tokens_never_ran(llama_and_gemma):
+    from toolkit.kv import make_kv_cache
+
+    llama, _, tok = llama_and_gemma
+    a, b, c = [5, 9, 31, 77, 120], [33, 44, 55, 66], [200, 201, 202]
+
+    def batch():
+        return RaggedBatch(llama, make_kv_cache(llama, 64), 2, tok.pad_token_id)
+
+    rolled = batch()
+    rolled.mark()
+    rolled.feed([a + b, a[:3]])
+    rolled.keep([len(a), 3])  # row 0 drops b; row 1 keeps all it was given
+    rolled.mark()
+    got = rolled.feed([c, c])
+    fresh = batch()
+    fresh.mark()
+    fresh.feed([a, a[:3]])
+    want = fresh.feed([c, c])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert rolled.counts.tolist() == [len(a) + len(c), 3 + len(c)]
+
+
+def test_a_draft_with_another_tokenizer_is_a_clear_error(llama_and_gemma, tiny_tokenizer):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    llama, gemma, tok = llama_and_gemma
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(["a different corpus entirely " * 50], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"], show_progress=False))
+    other_tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>", pad_token="<pad>")
+    with pytest.raises(InputError, match="tokenizer does not match") as err:
+        ModelDraft(gemma, target_tokenizer=tok, draft_tokenizer=other_tok)
+    assert "same tokenizer" in str(err.value)
+    ModelDraft(gemma, target_tokenizer=tok, draft_tokenizer=tiny_tokenizer)  # equal vocabularies pass
+
+
+# ---------------------------------------------------------------------------------------------- the verify rule
+
+
+def test_greedy_verify_keeps_the_matching_prefix_and_adds_the_targets_token():
+    logits = torch.full((4, 10), -1.0)
+    for row, best in enumerate([3, 5, 7, 2]):
+        logits[row, best] = 1.0
+    assert greedy_verify(logits, [3, 5, 7]).tokens([3, 5, 7]) == [3, 5, 7, 2]  # all kept + bonus
+    assert greedy_verify(logits, [3, 6, 7]).tokens([3, 6, 7]) == [3, 5]  # rejected at 1: the target's 5
+    assert greedy_verify(logits[:1], []).tokens([]) == [3]  # nothing drafted: a plain decode step
+
+
+def _accept_then_resample_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The first emitted token's exact distribution under the rule: draw x ~ q, keep it with min(1, p(x)/q(x)),
+    else draw from residual(p, q)."""
+    keep = torch.where(q > 0, torch.minimum(torch.ones_like(p), p / q.clamp_min(1e-30)), torch.zeros_like(p))
+    return q * keep + (q * (1 - keep)).sum() * residual(p, q)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_accept_and_resample_give_exactly_the_target_distribution(seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(8, generator=g) ** 3
+    q = torch.rand(8, generator=g) ** 3
+    p[0], q[1] = 0.0, 0.0  # a token only the draft proposes, one only the target does
+    p, q = p / p.sum(), q / q.sum()
+    torch.testing.assert_close(_accept_then_resample_distribution(p, q), p, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_accept_then_resample_distribution(p, p), p, rtol=0, atol=1e-6)  # q == p: all kept
+
+
+def _chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    n = counts.sum()
+    keep = expected_probs > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    e = expected_probs[keep] * n
+    stat = float(((counts[keep] - e) ** 2 / e).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_rejection_verify_samples_the_target_over_two_positions():
+    """Run the code itself on explicit p (two positions + bonus) and q: the emitted pair is distributed as p x p."""
+    g = torch.Generator().manual_seed(1)
+    vocab = 4
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.0, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.6, 0.1, 0.2]])
+    counts = torch.zeros(vocab, vocab)
+    for _ in range(6000):
+        drafted = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(2)]
+        tokens = rejection_verify(p, q, drafted, g).tokens(drafted)
+        if len(tokens) == 1:  # rejected at the first position: the second token comes from p[1] next round
+            tokens.append(int(torch.multinomial(p[1], 1, generator=g)))
+        counts[tokens[0], tokens[1]] += 1
+    assert _chi_square_p_value(counts.flatten(), (p[0][:, None] * p[1][None, :]).flatten()) > 1e-3
+
+
+def test_a_deterministic_draft_is_verified_as_one_hot():
+    g = torch.Generator().manual_seed(2)
+    p = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]])
+    counts = torch.zeros(3)
+    for _ in range(4000):
+        counts[rejection_verify(p, None, [1], g).tokens([1])[0]] += 1
+    assert _chi_square_p_value(counts, p[0]) > 1e-3
+
+
+def test_sampled_speculation_matches_target_only_sampling_on_a_model(llama_and_gemma):
+    """Thousands of seeded samples of three tokens (top-k 2, so 8 outcomes) from a tiny model with an int4
+    self-draft (close to the target, not equal: both accept and reject happen): chi-square against the exact target
+    distribution, computed from the target's own logits."""
+    llama, _, tok = llama_and_gemma
+    params = SamplingParams(temperature=1.5, top_k=2, seed=0)
+    prompt = tok(_prompts(3)[2]).input_ids
+    n = 1500
+    out = speculative_generate(llama, tok, [prompt] * n, 3, ModelDraft(build_self_draft(llama, bits=4, group_size=32),
+                                                                       params),
+                               DraftLength(2), params, stop_tokens=set())
+    assert out.stats.accepted > 0 and out.stats.accepted < out.stats.proposed  # both branches of the rule ran
+    samples = [tuple(s.token_ids) for s in out.sequences]
+    exact = {}
+    with torch.inference_mode():
+        def dist(ids):
+            return probabilities(llama(torch.tensor([ids])).logits[0, -1], params)
+        p1 = dist(prompt)
+        for t1 in p1.nonzero().flatten().tolist():
+            p2 = dist(prompt + [t1])
+            for t2 in p2.nonzero().flatten().tolist():
+                p3 = dist(prompt + [t1, t2])
+                for t3 in p3.nonzero().flatten().tolist():
+                    exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    assert set(samples) <= set(exact)
+    keys = sorted(exact)
+    counts = torch.tensor([samples.count(k) for k in keys], dtype=torch.float64)
+    assert _chi_square_p_value(counts, torch.tensor([exact[k] for k in keys], dtype=torch.float64)) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def test_lookup_proposes_what_followed_the_latest_match():
+    draft = LookupDraft(ngram_max=2, ngram_min=1)
+    assert draft.lookup([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 3) == [4, 5, 1]  # latest "1 2" wins
+    assert draft.lookup([1, 2, 3, 4], 3) == []
+    assert draft.lookup([7, 8, 7], 5) == [8, 7]  # never past the context's end
+    with pytest.raises(InputError):
+        LookupDraft(ngram_max=1, ngram_min=2)
+
+
+def test_adaptive_length_grows_on_full_acceptance_and_shrinks_on_rejection():
+    length = DraftLength(k=3, adaptive=True, k_min=2, k_max=5)
+    assert [length.next(k, full) for k, full in [(3, True), (5, True), (3, False), (2, False)]] == [4, 5, 2, 2]
+    assert DraftLength(k=3).next(3, True) == 3
+    with pytest.raises(InputError):
+        DraftLength(k=9, adaptive=True, k_max=8)
+
+
+def test_the_self_draft_shares_the_targets_modules_and_leaves_it_untouched(llama_and_gemma):
+    llama, _, _ = llama_and_gemma
+    before = [type(m).__name__ for m in llama.modules()]
+    draft = build_self_draft(llama, layers=1, bits=4, group_size=32)
+    assert draft.get_input_embeddings() is llama.get_input_embeddings()
+    assert draft.get_output_embeddings() is llama.get_output_embeddings() and draft.model.norm is llama.model.norm
+    assert len(draft.model.layers) == 1 and len(llama.model.layers) == 2
+    assert "QuantLinear" in {type(m).__name__ for m in draft.modules()}
+    assert [type(m).__name__ for m in llama.modules()] == before
+    shared = build_self_draft(llama, bits=None)
+    assert all(a is b for a, b in zip(shared.model.layers, llama.model.layers))
+    with pytest.raises(InputError, match="layers"):
+        build_self_draft(llama, layers=3)

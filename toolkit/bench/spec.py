@@ -1,0 +1,140 @@
+"""`specquant bench spec=...`: the same target with and without speculative decoding, interleaved in one run.
+
+Both paths run the same prompts, threads and KV cache kind in one process, alternating which goes first (this
+machine is noisy: only ratios measured side by side mean anything). Each generates exactly `new_tokens` tokens
+(end-of-sequence ignored), greedy, so their outputs must be token-identical and their times compare like with like.
+
+Figures: `speedup_vs_nospec` = no-spec wall time / spec wall time over the same runs, prompt included (what a user
+waits for); `decode_speedup_vs_nospec` leaves both prefills out (the spec side's time after its first token
+includes the draft's own prefill, which is part of its cost). `identical_outputs`: every run's tokens equal.
+"""
+
+import statistics
+import time
+from collections import Counter
+
+from toolkit.engine.generate import generate
+from toolkit.engine.precision import model_precision
+from toolkit.errors import InputError
+from toolkit.spec.decode import DraftLength, speculative_generate
+
+
+def _nospec(model, tokenizer, ids, new_tokens, kv):
+    start = time.perf_counter()
+    out = generate(model, tokenizer, [ids], new_tokens, stop_tokens=set(), kv=kv)
+    total = time.perf_counter() - start
+    return out.sequences[0].token_ids, total, out.timing.ttft_s, None
+
+
+def _spec(model, tokenizer, ids, new_tokens, kv, draft, length):
+    start = time.perf_counter()
+    out = speculative_generate(model, tokenizer, [ids], new_tokens, draft, length, stop_tokens=set(), kv=kv)
+    total = time.perf_counter() - start
+    return out.sequences[0].token_ids, total, out.timing.ttft_s, out.stats
+
+
+def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[list[int]], new_tokens: int,
+                   repeats: int, warmup: int, kv=None) -> dict:
+    """Time `model` alone and with `draft` on token-id prompts, interleaved; figures as the module says."""
+    if repeats < 1 or new_tokens < 2:
+        raise InputError("bench needs repeats >= 1 and new_tokens >= 2", "raise repeats / new_tokens")
+    paths = {"nospec": lambda ids: _nospec(model, tokenizer, ids, new_tokens, kv),
+             "spec": lambda ids: _spec(model, tokenizer, ids, new_tokens, kv, draft, length)}
+    for run in paths.values():
+        for ids in prompts[:1] * warmup:
+            run(ids)
+    totals = {name: [] for name in paths}
+    prefills = {name: [] for name in paths}
+    outputs = {name: [] for name in paths}
+    pooled = Counter()
+    histogram = Counter()
+    for rep in range(repeats):
+        for i, ids in enumerate(prompts):
+            order = list(paths) if (rep + i) % 2 == 0 else list(reversed(paths))
+            for name in order:
+                tokens, total, ttft, stats = paths[name](ids)
+                totals[name].append(total)
+                prefills[name].append(ttft)
+                outputs[name].append(tokens)
+                if stats is not None:
+                    pooled.update({"proposed": stats.proposed, "accepted": stats.accepted, "rounds": stats.rounds,
+                                   "row_rounds": stats.row_rounds})
+                    pooled["draft_s"] += stats.draft_s
+                    pooled["verify_s"] += stats.verify_s
+                    histogram.update(stats.histogram)
+    generated = sum(len(t) for t in outputs["spec"])
+    same = [a == b for a, b in zip(outputs["spec"], outputs["nospec"])]
+    nospec_s, spec_s = sum(totals["nospec"]), sum(totals["spec"])
+    nospec_decode = nospec_s - sum(prefills["nospec"])
+    spec_decode = spec_s - sum(prefills["spec"])
+    precision = model_precision(model)
+    label = getattr(model, "specquant_quant_label", None)
+    return {
+        "dtype": f"{label} + {precision.name}" if label else precision.name,
+        "prompt_tokens": round(statistics.mean(len(p) for p in prompts)),
+        "new_tokens": new_tokens,
+        "runs": len(totals["spec"]),
+        "acceptance_rate": pooled["accepted"] / pooled["proposed"] if pooled["proposed"] else float("nan"),
+        "mean_accepted": pooled["accepted"] / pooled["row_rounds"] if pooled["row_rounds"] else float("nan"),
+        "tokens_per_target_pass": generated / (pooled["rounds"] + len(totals["spec"])),  # + 1 prefill pass per run
+        "accepted_histogram": {int(k): v for k, v in sorted(histogram.items())},
+        "draft_s": pooled["draft_s"],
+        "verify_s": pooled["verify_s"],
+        "nospec_tokens_per_s": generated / nospec_s,
+        "spec_tokens_per_s": generated / spec_s,
+        "speedup_vs_nospec": nospec_s / spec_s,
+        "decode_speedup_vs_nospec": nospec_decode / spec_decode,
+        "identical_outputs": all(same),
+        "identical_runs": f"{sum(same)}/{len(same)}",
+        "first_divergence": [_first_difference(a, b) for a, b in zip(outputs["spec"], outputs["nospec"])],
+    }
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (None when identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_tokens: int, new_tokens: int,
+               n_prompts: int, repeats: int, warmup: int, config: dict, kv=None) -> dict:
+    """Load the target, build the draft `spec_cfg` names, time both paths; returns the result record."""
+    from toolkit.data import build_prompts
+    from toolkit.engine.setup import load_engine_model
+    from toolkit.machine import machine_facts
+    from toolkit.results import make_result
+    from toolkit.spec.build import build_draft, describe_draft, draft_length
+
+    loaded = load_engine_model(model_name, engine_cfg)
+    texts = build_prompts(prompts, loaded.tokenizer, prompt_tokens, n_prompts)
+    prompt_ids = [loaded.tokenizer(p.text).input_ids for p in texts]
+    draft = build_draft(spec_cfg, loaded.model, loaded.tokenizer, engine_cfg=engine_cfg)
+    length = draft_length(spec_cfg)
+    machine = machine_facts(measure=True)
+    figures = run_spec_bench(loaded.model, loaded.tokenizer, draft, length, prompt_ids, new_tokens, repeats, warmup,
+                             kv=kv)
+    figures = {"model": loaded.name, "prompts": prompts, "threads": engine_cfg.threads, "spec": spec_cfg.kind,
+               "draft": describe_draft(draft), "k": length.k, "adaptive": length.adaptive, **figures}
+    return make_result("bench", config, figures, machine)
+
+
+def print_spec_table(result: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{result['model']} | prompts={result['prompts']} | {result['prompt_tokens']} prompt tokens, "
+                        f"{result['new_tokens']} new | {result['runs']} runs per path | greedy")
+    for column in ("path", "draft", "tok/s", "acceptance", "mean accepted", "tokens / target pass",
+                   "draft s", "verify s"):
+        table.add_column(column, justify="left" if column in ("path", "draft") else "right")
+    table.add_row("target alone", "-", f"{result['nospec_tokens_per_s']:.1f}", "-", "-", "1.00", "-", "-")
+    k = f"k={result['k']}{' adaptive' if result['adaptive'] else ''}"
+    table.add_row(f"spec={result['spec']}", f"{result['draft']}, {k}", f"{result['spec_tokens_per_s']:.1f}",
+                  f"{result['acceptance_rate']:.2f}", f"{result['mean_accepted']:.2f}",
+                  f"{result['tokens_per_target_pass']:.2f}", f"{result['draft_s']:.2f}", f"{result['verify_s']:.2f}")
+    console.print(table)
+    console.print(f"speedup vs no speculation: [bold]{result['speedup_vs_nospec']:.2f}x[/] end to end, "
+                  f"{result['decode_speedup_vs_nospec']:.2f}x after the first token | identical outputs: "
+                  f"{result['identical_outputs']} ({result['identical_runs']} runs)")
+    console.print(f"kept drafted tokens per round (histogram): {result['accepted_histogram']}", style="dim")

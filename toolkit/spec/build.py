@@ -1,0 +1,79 @@
+"""From the `spec` config group (conf/spec/) to a draft and a draft-length policy.
+
+    spec=none     no speculation
+    spec=lookup   prompt lookup (n-grams of prompt + output)
+    spec=self     the target's own weights: first `layers` layers (null = all), `bits`-bit RTN weights (null = the
+                  target's), its own `kv` cache kind
+    spec=draft    a separate model with the target's tokenizer (`model`: registry name, directory or a quantized
+                  checkpoint), loaded under the same engine config as the target
+"""
+
+from omegaconf import DictConfig, OmegaConf
+
+from toolkit.engine.sampling import SamplingParams
+from toolkit.errors import InputError
+from toolkit.spec.decode import DraftLength
+from toolkit.spec.drafts import LookupDraft, ModelDraft
+
+KINDS = ("none", "lookup", "self", "draft")
+
+
+def spec_kind(spec_cfg) -> str:
+    kind = "none" if spec_cfg is None else (spec_cfg if isinstance(spec_cfg, str) else spec_cfg.get("kind", "none"))
+    if kind not in KINDS:
+        raise InputError(f"unknown speculative decoding kind {kind!r}", f"use spec= one of {', '.join(KINDS)}")
+    return kind
+
+
+def _get(cfg, key, default=None):
+    if isinstance(cfg, (dict, DictConfig)):
+        value = cfg.get(key, default)
+        return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    return default
+
+
+def draft_length(spec_cfg) -> DraftLength:
+    return DraftLength(k=int(_get(spec_cfg, "k", 4)), adaptive=bool(_get(spec_cfg, "adaptive", False)),
+                       k_min=int(_get(spec_cfg, "k_min", 1)), k_max=int(_get(spec_cfg, "k_max", 8)))
+
+
+def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams = SamplingParams(), engine_cfg=None):
+    """The draft `spec_cfg` describes, for `target` (a prepared engine model) and its tokenizer; None for none."""
+    kind = spec_kind(spec_cfg)
+    if kind == "none":
+        return None
+    if kind == "lookup":
+        return LookupDraft(int(_get(spec_cfg, "ngram_max", 3)), int(_get(spec_cfg, "ngram_min", 1)))
+    common = dict(sampling=sampling, target_vocab=_vocab(target), kv=_get(spec_cfg, "kv"),
+                  min_confidence=float(_get(spec_cfg, "min_confidence", 0.0) or 0.0))
+    if kind == "self":
+        from toolkit.spec.self_draft import build_self_draft
+
+        bits = _get(spec_cfg, "bits", 4)
+        model = build_self_draft(target, _get(spec_cfg, "layers"), None if bits in (None, 0, 16) else int(bits),
+                                 int(_get(spec_cfg, "group_size", 64)))
+        return ModelDraft(model, **common)
+    name = _get(spec_cfg, "model")
+    if not name:
+        raise InputError("spec=draft needs a draft model", "set spec.model=NAME (a registry name, a directory or a "
+                                                           "quantized checkpoint with the target's tokenizer)")
+    from toolkit.engine.setup import load_engine_model
+
+    if engine_cfg is None:
+        raise InputError("spec=draft needs the engine config to load its model", "pass engine_cfg")
+    loaded = load_engine_model(str(name), engine_cfg)
+    return ModelDraft(loaded.model, target_tokenizer=tokenizer, draft_tokenizer=loaded.tokenizer, **common)
+
+
+def _vocab(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def describe_draft(draft) -> str:
+    if draft is None:
+        return "none"
+    if isinstance(draft, LookupDraft):
+        return f"lookup (n-grams {draft.ngram_min}..{draft.ngram_max})"
+    from toolkit.spec.self_draft import describe
+
+    return describe(draft.model)

@@ -1,0 +1,161 @@
+"""Drafts: what proposes tokens for the target to verify. One small interface, three kinds.
+
+    reset(batch, capacity, pad_id)       start a generation of `batch` sequences
+    propose(contexts, k, active) -> (tokens, probs)
+                                         per row: up to k drafted tokens after the row's context (prompt + every
+                                         token emitted so far), and their draft distributions q [n, vocab] (None
+                                         when the draft is deterministic: q is one-hot on the drafted token)
+    accept(accepted)                     per row: how many of the proposed tokens the target kept; a draft with
+                                         state rolls it back to match
+
+`ModelDraft` runs any causal LM with the target's tokenizer; `SelfDraft` (spec/self_draft.py) builds one from the
+target's own weights; `LookupDraft` matches n-grams of the context (prompt lookup decoding), no model.
+"""
+
+import torch
+
+from toolkit.engine.sampling import SamplingParams, probabilities
+from toolkit.errors import InputError
+from toolkit.spec.ragged import RaggedBatch
+
+
+class LookupDraft:
+    """Prompt lookup decoding (Saxena 2023): find the latest earlier occurrence of the context's last n tokens
+    (n from `ngram_max` down to `ngram_min`) and propose the tokens that followed it. Free to run, deterministic,
+    and strong wherever the output copies its input (grounded answers, code edits)."""
+
+    deterministic = True
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+        if not 1 <= ngram_min <= ngram_max:
+            raise InputError(f"lookup n-gram sizes must satisfy 1 <= ngram_min <= ngram_max, got "
+                             f"{ngram_min}..{ngram_max}", "set spec.ngram_min / spec.ngram_max, e.g. 1 and 3")
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def reset(self, batch: int, capacity: int, pad_id: int) -> None:
+        pass
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        for n in range(min(self.ngram_max, len(context) - 1), self.ngram_min - 1, -1):
+            tail = context[-n:]
+            # latest match first: recent text predicts the continuation best
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start:start + n] == tail:
+                    return context[start + n:start + n + k]
+        return []
+
+    def propose(self, contexts, k, active=None):
+        tokens = [self.lookup(ctx, k) if (active is None or active[i]) and k > 0 else []
+                  for i, ctx in enumerate(contexts)]
+        return tokens, [None] * len(contexts)
+
+    def accept(self, accepted) -> None:
+        pass
+
+
+def vocab_mismatch(target_tokenizer, draft_tokenizer) -> str | None:
+    """Why two tokenizers cannot share token ids, or None when they can."""
+    if target_tokenizer is None or draft_tokenizer is None or target_tokenizer is draft_tokenizer:
+        return None
+    a, b = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if a != b:
+        differ = sorted(set(a.items()) ^ set(b.items()))[:3]
+        return f"vocabularies differ ({len(a)} vs {len(b)} tokens; e.g. {differ})"
+    for attr in ("eos_token_id", "bos_token_id"):
+        if getattr(target_tokenizer, attr) != getattr(draft_tokenizer, attr):
+            return f"{attr} differs ({getattr(target_tokenizer, attr)} vs {getattr(draft_tokenizer, attr)})"
+    return None
+
+
+class ModelDraft:
+    """Any causal LM that shares the target's tokenizer drafts k tokens, one forward each, over its own KV cache
+    (made by `toolkit.kv.make_kv_cache`, so a quantized cache works too) and rolls it back on rejection.
+
+    `min_confidence` > 0 stops a row's draft at the first token the draft gives less than that probability: a
+    cheap way to spend draft steps only where they are likely accepted."""
+
+    deterministic = False
+
+    def __init__(self, model, sampling: SamplingParams = SamplingParams(), target_tokenizer=None,
+                 draft_tokenizer=None, target_vocab: int | None = None, kv=None, min_confidence: float = 0.0,
+                 generator: torch.Generator | None = None):
+        problem = vocab_mismatch(target_tokenizer, draft_tokenizer)
+        if problem:
+            raise InputError(f"the draft model's tokenizer does not match the target's: {problem}",
+                             "use a draft from the same model family (same tokenizer), e.g. a smaller size or a "
+                             "quantized checkpoint of the target, or spec=lookup / spec=self")
+        self.model, self.sampling, self.kv = model, sampling, kv
+        self.target_vocab, self.min_confidence, self.generator = target_vocab, min_confidence, generator
+        self.state: RaggedBatch | None = None
+
+    def reset(self, batch: int, capacity: int, pad_id: int) -> None:
+        from toolkit.kv import make_kv_cache
+
+        cache = make_kv_cache(self.model, capacity, self.kv)
+        self.state = RaggedBatch(self.model, cache, batch, pad_id,
+                                 getattr(self.model, "specquant_decode_forward", None))
+        self.fed = [0] * batch  # per row: context tokens already in the draft's cache
+        self._round = None
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary (checkpoints pad embedding tables to different sizes; the
+        padding is no token, so it gets -inf)."""
+        n = self.target_vocab
+        if n is None or logits.shape[-1] == n:
+            return logits
+        if logits.shape[-1] > n:
+            return logits[..., :n]
+        return torch.nn.functional.pad(logits, (0, n - logits.shape[-1]), value=float("-inf"))
+
+    def propose(self, contexts, k, active=None):
+        batch = len(contexts)
+        active = active or [True] * batch
+        state = self.state
+        state.mark()
+        # catch up: feed what the draft has not seen (the last round's correction, and the last draft token when
+        # all were accepted); a finished row feeds a pad that it never keeps
+        first = [ctx[self.fed[i]:] if active[i] else [state.pad_id] for i, ctx in enumerate(contexts)]
+        catch_up = [len(f) if active[i] else 0 for i, f in enumerate(first)]
+        tokens = [[] for _ in range(batch)]
+        probs = [[] for _ in range(batch)]
+        drafting = [a and k > 0 for a in active]
+        steps = 0
+        if any(drafting):
+            logits = self._fit_vocab(state.feed(first, logits=1)[:, -1].float())
+            while True:
+                q = probabilities(logits, self.sampling)
+                chosen = (logits.argmax(-1) if self.sampling.greedy
+                          else torch.multinomial(q, 1, generator=self.generator).squeeze(-1))
+                confidence = logits.softmax(-1).amax(-1) if self.min_confidence > 0 else None
+                steps += 1
+                for i in range(batch):
+                    if not drafting[i]:
+                        continue
+                    if confidence is not None and tokens[i] and float(confidence[i]) < self.min_confidence:
+                        drafting[i] = False  # the first token is always drafted: a round costs a target pass anyway
+                        continue
+                    tokens[i].append(int(chosen[i]))
+                    probs[i].append(q[i])
+                    if len(tokens[i]) == k:
+                        drafting[i] = False
+                if not any(drafting):
+                    break
+                logits = self._fit_vocab(state.feed([[int(t)] for t in chosen], logits=1)[:, -1].float())
+        self._round = (contexts, catch_up, steps, active)
+        q_out = [torch.stack(p) if p and not self.sampling.greedy else None for p in probs]
+        return tokens, q_out
+
+    def accept(self, accepted) -> None:
+        contexts, catch_up, steps, active = self._round
+        if steps == 0:  # nothing drafted: nothing fed; the next round catches up on the whole tail
+            self.state.keep([0] * len(contexts))
+            return
+        kept = []
+        for i, ctx in enumerate(contexts):
+            if not active[i]:
+                kept.append(0)
+                continue
+            in_cache = min(accepted[i], steps - 1)  # draft token j is in the cache only if a later step fed it
+            kept.append(catch_up[i] + in_cache)
+            self.fed[i] = len(ctx) + in_cache
+        self.state.keep(kept)

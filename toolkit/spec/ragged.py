@@ -1,0 +1,106 @@
+"""A batch of sequences that advance by different numbers of tokens over one shared KV cache.
+
+Speculative decoding keeps a different number of tokens per sequence each round. Instead of per-row cache lengths
+(which every cache kind would have to support), every row writes the same slots and a per-row slot mask marks which
+slots hold real tokens: a rejected draft token's slot is masked out for its row, for good, and attention never sees
+it again. Positions come from the mask (count of real tokens so far), exactly as the engine derives them, so a row
+sees the same positions and the same keys as it would alone. The cache itself is only ever cropped (`crop`), which
+every cache kind honours.
+
+With one sequence no slot is ever masked (what it keeps is always a prefix), and the mask is not passed at all:
+attention takes its plain causal path, as in the engine's own decode.
+
+Sliding-window layers (Gemma 3) count the window in slots, so holes in a batch shrink their window: batches of
+sliding-window models are not token-identical to running each sequence alone (one sequence is).
+"""
+
+import functools
+import inspect
+
+import torch
+
+from toolkit.engine.precision import exact_linears, may_overflow
+
+
+@functools.cache
+def _takes_logits_to_keep(model_class) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+class RaggedBatch:
+    """`model`'s view of `batch` sequences over `cache`. `mark` starts a round; `feed` runs new tokens (any number of
+    times); `keep` keeps, per row, a prefix of what was fed since the mark and rolls back the rest."""
+
+    def __init__(self, model, cache, batch: int, pad_id: int, forward=None):
+        self.model, self.cache, self.pad_id = model, cache, pad_id
+        self.forward = forward or model
+        device = next(model.parameters()).device
+        self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [batch, cache slots]
+        self.counts = torch.zeros(batch, dtype=torch.long, device=device)  # real tokens per row
+        self._start = 0  # cache length at the mark
+        self._written: list[list[int]] = [[] for _ in range(batch)]  # per row: slots of the tokens fed since the mark
+
+    @property
+    def batch(self) -> int:
+        return self.mask.shape[0]
+
+    def mark(self) -> None:
+        self._start = self.cache.length
+        self._written = [[] for _ in range(self.batch)]
+
+    def feed(self, rows: list[list[int]], logits: int | None = None) -> torch.Tensor:
+        """Run row i's tokens `rows[i]` (lengths may differ; at least one each) after its cached ones. Returns logits
+        [batch, width, vocab] for the last `logits` columns (None: all `width`, the longest row); rows are aligned
+        on the right, so row i's tokens are its last len(rows[i]) columns."""
+        lengths = [len(r) for r in rows]
+        width = max(lengths)
+        device = self.mask.device
+        ids = torch.full((self.batch, width), self.pad_id, dtype=torch.long)
+        new_mask = torch.zeros(self.batch, width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            if r:
+                ids[i, width - len(r):] = torch.tensor(r)
+                new_mask[i, width - len(r):] = 1
+        ids, new_mask = ids.to(device), new_mask.to(device)
+        positions = (self.counts[:, None] + new_mask.cumsum(-1) - 1).masked_fill(new_mask == 0, 1)
+        mask = torch.cat([self.mask, new_mask], dim=1)
+        start = self.cache.length
+        out = self._run(ids, None if bool(mask.all()) else mask, positions, logits or width, start)
+        self.mask = mask
+        self.counts = self.counts + new_mask.sum(-1)
+        for i, n in enumerate(lengths):
+            self._written[i].extend(range(start + width - n, start + width))
+        return out
+
+    def _run(self, ids, mask, positions, keep, start) -> torch.Tensor:
+        kwargs = {"logits_to_keep": keep} if _takes_logits_to_keep(type(self.model)) else {}
+
+        def run():
+            out = self.forward(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                               use_cache=True, **kwargs).logits
+            return out[:, -keep:]
+
+        with torch.inference_mode():
+            out = run()
+            if may_overflow(self.model) and not torch.isfinite(out).all():
+                self.cache.crop(start)  # the overflowed pass wrote garbage: drop it and redo it exactly (as the engine)
+                with exact_linears():
+                    out = run()
+        return out
+
+    def keep(self, kept: list[int]) -> None:
+        """Of the tokens fed to row i since the mark, keep its first kept[i]; roll the rest back (mask them out for
+        the row, and crop the cache after the last slot any row keeps)."""
+        ends = [self._start]
+        for i, (slots, k) in enumerate(zip(self._written, kept)):
+            if not 0 <= k <= len(slots):
+                raise ValueError(f"row {i}: cannot keep {k} of {len(slots)} fed tokens")
+            for slot in slots[k:]:
+                self.mask[i, slot] = 0
+            self.counts[i] -= len(slots) - k
+            if k:
+                ends.append(slots[k - 1] + 1)
+        end = max(ends)
+        self.cache.crop(end)
+        self.mask = self.mask[:, :end]
+        self.mark()
