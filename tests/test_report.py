@@ -134,3 +134,13 @@ def test_concurrent_appends_never_tear_lines(tmp_path):
     assert all(p.wait(timeout=120) == 0 for p in procs)
     lines = path.read_text().splitlines()
     assert len(lines) == 150 and all(json.loads(line)["kind"] == "eval" for line in lines)
+
+
+def test_a_speculative_row_takes_the_targets_quality_and_says_so(store):
+    results = read_store(store)[0]
+    spec = _bench("ckpt/smollm2-135m-gptq-w4g64", "fp", 70.0)
+    spec["config"]["spec"] = {"kind": "lookup"}
+    rows = build_rows([*results, spec], "pydoc")
+    row = next(r for r in rows if r.spec == "lookup")
+    assert row.quality["ppl"] == 10.25 and "lossless" in row.quality_protocol and row.tokens_per_s == 70.0
+    assert recommend(rows, 0.03)[0] is row

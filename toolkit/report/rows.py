@@ -85,4 +85,11 @@ def build_rows(results: list[dict], data: str | None = None) -> list[Row]:
             row.quality, row.quality_protocol = result, quality_protocol(result)
         else:
             row.speed, row.speed_protocol = result, speed_protocol(result)
+    for (model, kv, spec), row in rows.items():
+        plain = rows.get((model, kv, "none"))
+        if spec != "none" and not row.quality and plain is not None and plain.quality:
+            # speculative decoding verifies every token against the target (greedy: exactly its tokens), so its
+            # quality is the target's: borrowed from the same model and cache without speculation, and said so
+            row.quality = plain.quality
+            row.quality_protocol = plain.quality_protocol + "; speculation is lossless: quality of the target"
     return list(rows.values())
