@@ -66,7 +66,7 @@ def test_recipe_file_applies_and_the_command_line_wins(tiny_llama_dir, tmp_path)
 
 @pytest.mark.parametrize("args, message", [
     (["recipe=/no/such/recipe.yaml"], "/no/such/recipe.yaml"),
-    (["quantize.method=awq"], "method"),
+    (["quantize.method=nope"], "method"),
     (["quantize.bits=5"], "bits"),
 ])
 def test_bad_quantize_input_is_one_clear_error(tiny_llama_dir, tmp_path, args, message):
@@ -167,3 +167,39 @@ def test_quality_check_of_a_model_against_itself_is_exact(tiny_model):
     r = compare(model, model, ids)
     assert r["kl"] == pytest.approx(0, abs=1e-6) and r["top1_agreement"] == 1.0
     assert r["perplexity"] == pytest.approx(r["reference_perplexity"])
+
+
+def test_recipe_name_resolves_and_output_key_and_summary(tiny_llama_dir, tmp_path):
+    # a recipe NAME (recipes/<model>/<name>.yaml); model= and the group size are overridden for the tiny model
+    out = tmp_path / "awq"
+    run = specquant("quantize", "recipe=smollm2-135m/awq-w4g64", f"model={tiny_llama_dir}", "quantize.group_size=32",
+                    "quantize.n_samples=4", "quantize.seq_len=32", "quantize.awq_grid=4", "quantize.awq_clip_grid=4",
+                    f"output={out}")
+    assert run.returncode == 0, run.stderr
+    from toolkit.quant.checkpoint import read_manifest
+
+    recipe = read_manifest(out)["recipe"]
+    assert recipe["method"] == "awq" and recipe["bits"] == 4 and recipe["group_size"] == 32
+    for text in ("peak RSS", "MB at fp16", "q_proj", "down_proj", "calibration tokens"):
+        assert text in run.stdout, (text, run.stdout)
+
+
+def test_unknown_recipe_name_lists_the_known_ones(tiny_llama_dir, tmp_path):
+    run = specquant("quantize", "recipe=smollm2-135m/nope", f"out={tmp_path / 'x'}")
+    assert run.returncode == 2
+    assert "smollm2-135m/gptq-w4g64" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_every_shipped_recipe_is_a_valid_quant_recipe():
+    from omegaconf import OmegaConf
+
+    from toolkit.cli.app import CONF_DIR, RECIPES_DIR
+    from toolkit.quant.model_quant import QuantRecipe
+
+    names = sorted(RECIPES_DIR.glob("*/*.yaml"))
+    assert {"smollm2-135m/" + n for n in ("rtn-w8", "rtn-w4g64", "gptq-w4g64", "gptq-w4g64-actorder", "awq-w4g64",
+                                          "gptq-w3g64", "gptq-w8")} <= {f"{p.parent.name}/{p.stem}" for p in names}
+    for path in names:
+        recipe = OmegaConf.to_container(OmegaConf.load(path))
+        assert (CONF_DIR / "model" / f"{recipe['model']}.yaml").is_file(), path
+        QuantRecipe(**recipe["quantize"])  # raises on a bad key or value

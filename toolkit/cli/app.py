@@ -7,6 +7,7 @@ from pathlib import Path
 from toolkit.errors import SpecquantError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # toolkit/recipes links to the repo's recipes/
 
 # Subcommands whose first positional word is an action, and which config group the word after it selects.
 _ACTIONS = {"models": "model", "data": "data"}
@@ -42,10 +43,7 @@ def _expand_recipe(overrides: list[str]) -> list[str]:
         return overrides
     from omegaconf import OmegaConf
 
-    path = Path(paths[-1]).expanduser()
-    if not path.is_file():
-        raise SpecquantError(f"recipe {path} does not exist", "give a recipe file, e.g. "
-                             "recipe=recipes/smollm2-135m/rtn-int4-g64.yaml (see recipes/README.md)")
+    path = _recipe_path(paths[-1])
     try:
         recipe = OmegaConf.to_container(OmegaConf.load(path))
     except Exception as exc:  # a YAML error of any kind: name the file
@@ -59,6 +57,20 @@ def _expand_recipe(overrides: list[str]) -> list[str]:
         merged.pop(key, None)
         merged[key] = arg
     return list(merged.values())
+
+
+def _recipe_path(value: str) -> Path:
+    """A recipe file path, or a recipe NAME ``<model>/<name>`` -> ``recipes/<model>/<name>.yaml`` (the repo's
+    or the installed package's)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    named = RECIPES_DIR / (value if value.endswith(".yaml") else f"{value}.yaml")
+    if "/" in value and ".." not in Path(value).parts and named.is_file():
+        return named
+    known = sorted(str(p.relative_to(RECIPES_DIR).with_suffix("")) for p in RECIPES_DIR.glob("*/*.yaml"))
+    raise SpecquantError(f"recipe {value} is neither a file nor a recipe name",
+                         f"give a recipe file or one of: {', '.join(known) or '(none installed)'}")
 
 
 def _flatten(tree: dict, prefix: str = "") -> list[str]:

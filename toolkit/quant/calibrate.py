@@ -49,6 +49,9 @@ import hashlib
 import json
 import os
 import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -232,7 +235,8 @@ def _stages(linears: dict[str, nn.Linear], sequential: bool) -> list[list[str]]:
 
 
 @torch.no_grad()
-def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantizer, stop_early: bool):
+def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantizer, stop_early: bool,
+             timer: _Timer | None = None):
     """Run ``block`` over ``inputs`` feeding each Linear's input to its accumulator; ``(accumulators, producers)``.
 
     Linears that receive the very same tensor (q,k,v; gate,up) share ONE accumulator: one Hessian, not three.
@@ -240,6 +244,7 @@ def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantiz
     an early stage costs a partial forward. ``producers`` (for quantizers with ``needs_producers``) maps a
     Linear's name to the block's norm module whose output tensor IS that Linear's input (from the first sample).
     """
+    timer = timer if timer is not None else _Timer()
     accumulators: dict[str, object] = {}
     fresh = {name: layer_quantizer.accumulator(lin) for name, lin in linears.items()}
     if all(acc is None for acc in fresh.values()):
@@ -261,7 +266,8 @@ def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantiz
                     if producer is not None:
                         producers[name] = block.get_submodule(producer)
             if not any(t is x and accumulators[other] is accumulators[name] for other, t in seen.items()):
-                accumulators[name].add(x.detach())
+                with timer("statistics (Hessians / input copies)"):
+                    accumulators[name].add(x.detach())
             seen[name] = x
             if stop_early and len(seen) == len(linears):
                 raise _StopForward
@@ -283,7 +289,8 @@ def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantiz
             seen.clear()
             norm_outputs.clear()
             try:
-                block(x, **kwargs)
+                with timer("block forwards, statistics pass"):
+                    block(x, **kwargs)
             except _StopForward:
                 pass
             if want_producers:  # only the first sample decides producers: stop recording norm outputs
@@ -298,6 +305,27 @@ def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantiz
     if missing:
         raise RuntimeError(f"the block never called {', '.join(missing)} during calibration")
     return accumulators, producers
+
+
+class _Timer(defaultdict):
+    """Seconds by phase: ``with timer("solve"): ...``; nested phases are subtracted from their parent."""
+
+    def __init__(self):
+        super().__init__(float)
+        self._stack: list[list] = []
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        self._stack.append([phase, 0.0])
+        try:
+            yield
+        finally:
+            _, inner = self._stack.pop()
+            spent = time.perf_counter() - start
+            self[phase] += spent - inner
+            if self._stack:
+                self._stack[-1][1] += spent
 
 
 def _run_block(block, inputs, kwargs) -> list[torch.Tensor]:
@@ -403,8 +431,10 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
             saved_inputs = torch.load(state / f"inputs_{done:04d}.pt", weights_only=True)
             saved_inputs = [x.to(device) for x in saved_inputs]
 
+    timer = _Timer()
     if done < len(blocks):
-        inputs, block_kwargs = _capture(model, blocks, batches, device)
+        with timer("capture block 0 inputs"):
+            inputs, block_kwargs = _capture(model, blocks, batches, device)
         if saved_inputs is not None:
             inputs = saved_inputs
         with tqdm(range(done, len(blocks)), desc=f"blockwise {recipe.method} int{recipe.bits}", unit="block",
@@ -417,12 +447,14 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                     stage_linears = {name: per_block[i][name] for name in stage}
                     # an earlier stage needs its layers' inputs only: the forward stops once all have fired
                     accumulators, producers = _collect(block, inputs, kwargs, stage_linears, layer_quantizer,
-                                                       stop_early=k + 1 < len(stages))
+                                                       stop_early=k + 1 < len(stages), timer=timer)
                     prepare = getattr(layer_quantizer, "prepare_block", None)
                     if prepare is not None:  # AWQ: scale search and fold over the whole block, before rounding
-                        prepare(block, stage_linears, accumulators, producers)
+                        with timer("block search (AWQ scales, clip)"):
+                            prepare(block, stage_linears, accumulators, producers)
                     for name, lin in stage_linears.items():
-                        qw = layer_quantizer.quantize(name, lin, accumulators[name])
+                        with timer("quantize (GPTQ solve / rounding)"):
+                            qw = layer_quantizer.quantize(name, lin, accumulators[name])
                         errors[name] = relative_error(lin.weight, qw)
                         block_weights[name] = qw
                         accumulators[name] = None  # free (a Hessian is in_features² floats)
@@ -431,7 +463,8 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                     del accumulators
                 weights.update(block_weights)
                 if i + 1 < len(blocks):
-                    inputs = _run_block(block, inputs, kwargs)  # the next block's inputs, from the quantized block
+                    with timer("block forwards, outputs pass"):
+                        inputs = _run_block(block, inputs, kwargs)  # the next block's inputs, from the quantized block
                 if state is not None:
                     _atomic_save({"weights": {n: _qw_to_dict(q) for n, q in block_weights.items()},
                                   "errors": {n: errors[n] for n in block_weights}}, state / f"block_{i:04d}.pt")
@@ -443,7 +476,7 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
 
     ordered = {name: weights[name] for name in linears if name in weights}
     return QuantizedStateDict(weights=ordered, recipe=recipe, skipped=skipped,
-                              errors={name: errors[name] for name in ordered})
+                              errors={name: errors[name] for name in ordered}, timings=dict(timer))
 
 
 class GPTQLayerQuantizer:

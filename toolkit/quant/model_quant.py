@@ -132,6 +132,8 @@ class QuantizedStateDict:
     recipe: QuantRecipe
     skipped: list[SkippedModule] = dataclasses.field(default_factory=list)
     errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    # where the calibrating driver's time went, seconds by phase (not saved in checkpoints)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.weights)
