@@ -301,3 +301,25 @@ def test_a_corrupted_source_checkpoint_is_not_exported(llama, tiny_tokenizer, tm
     with pytest.raises(ModelError, match="damaged"):
         export_checkpoint(ck, "gptq", ck.with_name("never"))
     assert not ck.with_name("never").exists()
+
+
+def test_layer_biases_survive_both_formats(tiny_tokenizer, tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True, initializer_range=0.2)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_()  # transformers initialises biases to 0: give them something to lose
+    for fmt, symmetric in (("gptq", True), ("awq", False)):
+        qsd = quantize_model(model, QuantRecipe(bits=4, group_size=32, symmetric=symmetric), progress=False)
+        ck = save_quantized(tmp_path_factory.mktemp("bias") / "ck", model, qsd, tokenizer=tiny_tokenizer)
+        _, imported, _ = import_checkpoint(export_checkpoint(ck, fmt, ck.with_name(fmt)))
+        biased = [n for n, qw in qsd.weights.items() if qw.bias is not None]
+        assert len(biased) == 4  # q, k, v, o
+        for name in biased:
+            want = qsd.weights[name].bias.half().float()  # the formats store fp16 biases
+            assert torch.equal(imported.weights[name].bias, want), (fmt, name)
