@@ -182,3 +182,24 @@ def test_eval_cli_writes_ppl_reference_and_protocol(tiny_llama_dir, tmp_path):
 def test_eval_cli_rejects_an_unknown_task(tiny_llama_dir, tmp_path):
     run = _specquant("eval", f"model={tiny_llama_dir}", "task=bogus", "store=none")
     assert run.returncode == 2 and "unknown task" in run.stderr
+
+
+def test_a_quantized_kv_cache_is_read_back_and_shows_in_the_figures(tiny_llama_dir, tiny_tokenizer, pydoc_texts):
+    from transformers import AutoModelForCausalLM
+
+    from omegaconf import OmegaConf
+
+    from toolkit.evaluation.suite import Settings, run_tasks
+
+    from toolkit.kv import KINDS
+
+    if "int2" not in KINDS:
+        pytest.skip("no quantized KV cache kinds in toolkit.kv yet")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    settings = Settings(window=48, max_windows=2, chunk=128)  # chunk > window: clamped so the cache is read
+    # a short full-precision residual so 48-token windows reach the quantized part (the default keeps 128 tokens)
+    kv = OmegaConf.create({"kind": "int2", "bits": 2, "group_size": 8, "residual": 8})
+    out = run_tasks(model, tiny_tokenizer, pydoc_texts, ["ppl"], settings, reference=model, kv_cfg=kv,
+                    log=lambda line: None)
+    assert out["protocol"]["ppl"]["chunk"] == 24 and out["protocol"]["ppl"]["kv"] == "int2"
+    assert out["figures"]["kl"] > 1e-4

@@ -56,7 +56,8 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
         start = time.perf_counter()
         if task == "ppl":
             windows, proto = make_windows(tokenizer, texts, settings.window, settings.max_windows, data)
-            chunk = settings.chunk if through_cache else None
+            # at least two chunks per window, or a quantized cache would never be read back
+            chunk = min(settings.chunk or settings.window, settings.window // 2) if through_cache else None
             proto = type(proto)(**{**asdict(proto), "chunk": chunk, "kv": kind})
             log(f"ppl/kl/top-1: {proto.describe()}")
             figures.update(score_windows(model, windows, reference, kv_cfg, chunk, settings.batch_size))
