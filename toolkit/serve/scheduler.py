@@ -122,8 +122,9 @@ class Scheduler:
     def _admit(self) -> None:
         while True:
             with self._cond:
-                while self.waiting and self.waiting[0].cancelled.is_set():
-                    seq = self.waiting.popleft()
+                gone = [s for s in self.waiting if s.cancelled.is_set()]
+                for seq in gone:  # clients that left while queued: out of the queue, wherever they stood
+                    self.waiting.remove(seq)
                     self.metrics.finished.labels("cancelled").inc()
                 if not self.waiting or len(self.running) >= self.limits.max_batch:
                     return
