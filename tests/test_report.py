@@ -144,3 +144,21 @@ def test_a_speculative_row_takes_the_targets_quality_and_says_so(store):
     row = next(r for r in rows if r.spec == "lookup")
     assert row.quality["ppl"] == 10.25 and "lossless" in row.quality_protocol and row.tokens_per_s == 70.0
     assert recommend(rows, 0.03)[0] is row
+
+
+def test_the_html_page_renders_in_headless_chromium_without_network(store, tmp_path):
+    from toolkit.report.screenshot import find_chromium
+
+    if find_chromium() is None:
+        pytest.skip("no headless Chromium: run eval/get_chromium.sh")
+    shot = tmp_path / "shot.png"
+    run = subprocess.run([sys.executable, "-m", "toolkit", "report", f"store={store}", f"out={tmp_path / 'B.md'}",
+                          f"png={tmp_path / 'p.png'}", f"html={tmp_path / 'r.html'}", f"screenshot={shot}"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr + run.stdout
+    from PIL import Image
+
+    image = Image.open(shot).convert("L")
+    assert image.size == (1200, 1400)
+    # a rendered page is not blank: the table and the inlined plot put dark pixels on it
+    assert sum(1 for v in image.getdata() if v < 128) > 5000

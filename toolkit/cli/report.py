@@ -44,6 +44,10 @@ def run(cfg) -> dict:
         written["png"] = png
     if cfg.html:
         written["html"] = _write_text(cfg.html, render_html(rows, png, cfg.title, note))
+    if cfg.get("screenshot") and "html" in written:
+        from toolkit.report.screenshot import screenshot
+
+        written["screenshot"] = screenshot(written["html"], cfg.screenshot)
     console.print(f"{len(rows)} configurations ({len(plottable(rows))} with quality and speed) from {store}"
                   + (f"; skipped {skipped} unreadable lines" if skipped else ""))
     for kind, path in written.items():
