@@ -7,6 +7,7 @@
 #   eval/sweep.sh                       # the full sweep (run from the repository root)
 #   QUICK=1 eval/sweep.sh               # a small version: two weight configs, fewer windows/items/tokens
 #   STORE=/tmp/r.jsonl OUT=/tmp/bench eval/sweep.sh
+#   EXTRA="engine.threads=1" eval/sweep.sh   # extra overrides for every eval and bench run
 #
 # Every result line holds its resolved config, protocol, machine facts and git revision; the store is appended to,
 # so delete it first for a clean rebuild (the script does unless KEEP_STORE=1).
@@ -40,8 +41,8 @@ for recipe in $RECIPES; do
 done
 
 for model in "${models[@]}"; do
-  specquant eval -m "model=$model" "kv=$KVS" "${EVAL_ARGS[@]}" "store=$STORE"
-  specquant bench -m "model=$model" "kv=$KVS" "spec=$SPECS" "${BENCH_ARGS[@]}" "+store=$STORE"
+  specquant eval -m "model=$model" "kv=$KVS" "${EVAL_ARGS[@]}" "store=$STORE" ${EXTRA:-}
+  specquant bench -m "model=$model" "kv=$KVS" "spec=$SPECS" "${BENCH_ARGS[@]}" "+store=$STORE" ${EXTRA:-}
 done
 
 specquant report "store=$STORE" "out=$OUT/BENCHMARKS.md" "png=$OUT/benchmarks.png" "html=$OUT/benchmarks.html"
