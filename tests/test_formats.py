@@ -9,10 +9,20 @@ import torch
 
 from toolkit.errors import ModelError
 from toolkit.quant.checkpoint import load_quantized, save_quantized
-from toolkit.quant.formats import ExportError, detect_format, export_checkpoint, import_checkpoint
+from toolkit.quant.formats import (
+    ExportError,
+    detect_format,
+    export_checkpoint,
+    import_checkpoint,
+)
 from toolkit.quant.formats.awq_gemm import pack_awq_gemm, unpack_awq_gemm
 from toolkit.quant.gptq import gptq_quantize
-from toolkit.quant.model_quant import QuantizedStateDict, QuantRecipe, quantize_model, swap_quantized_modules
+from toolkit.quant.model_quant import (
+    QuantizedStateDict,
+    QuantRecipe,
+    quantize_model,
+    swap_quantized_modules,
+)
 from toolkit.quant.primitives import QuantConfig, pack_gptq
 from toolkit.quant.qlinear import QuantLinear
 

@@ -111,6 +111,7 @@ def test_b_transformers_loads_our_awq_export(tmp_path, tiny_llama_dir):
 def gptqmodel_checkpoint(tiny_llama_dir, tmp_path_factory):
     """gptqmodel quantizes the tiny llama on the CPU: act-order (desc_act) and asymmetric, GPTQ v1 on disk."""
     import pydoc_data.topics
+
     from gptqmodel import GPTQModel, QuantizeConfig
     from transformers import AutoTokenizer
 

@@ -15,8 +15,18 @@ recognised by ``quantization_config.quant_method`` in its ``config.json`` (`dete
 no gptqmodel needed.
 """
 
-from toolkit.quant.formats.common import EXPORT_MANIFEST, ExportError, detect_format, export_source
-from toolkit.quant.formats.convert import FORMATS, export_checkpoint, import_checkpoint, is_foreign_quantized
+from toolkit.quant.formats.common import (
+           EXPORT_MANIFEST,
+           ExportError,
+           detect_format,
+           export_source,
+)
+from toolkit.quant.formats.convert import (
+           FORMATS,
+           export_checkpoint,
+           import_checkpoint,
+           is_foreign_quantized,
+)
 
 __all__ = ["EXPORT_MANIFEST", "FORMATS", "ExportError", "detect_format", "export_checkpoint", "export_source",
            "import_checkpoint", "is_foreign_quantized"]

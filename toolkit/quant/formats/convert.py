@@ -11,9 +11,19 @@ from torch import nn
 
 from toolkit.errors import ModelError
 from toolkit.quant.formats import awq_gemm, gptq_v1
-from toolkit.quant.formats.common import (ExportError, assemble, block_layout, detect_format, float_tensors,
-                                          layer_names, load_tensors, read_layers, read_quantization_config,
-                                          verify_export, write_export)
+from toolkit.quant.formats.common import (
+    ExportError,
+    assemble,
+    block_layout,
+    detect_format,
+    float_tensors,
+    layer_names,
+    load_tensors,
+    read_layers,
+    read_quantization_config,
+    verify_export,
+    write_export,
+)
 from toolkit.quant.model_quant import QuantizedStateDict, SkippedModule
 
 FORMATS = ("gptq", "awq")
