@@ -31,7 +31,8 @@ def evaluate_model(cfg) -> dict:
     data = f"{cfg.data.name}/{split}"
     console.print(f"[bold]{loaded.name}[/] ({loaded.precision.name}, KV {kind}) vs reference {reference_name}")
     out = run_tasks(loaded.model, loaded.tokenizer, texts, tasks, settings, reference, cfg.kv, data,
-                    log=lambda line: console.print(f"  protocol {line}", style="dim", highlight=False))
+                    log=lambda line: console.print(f"  protocol {line}", style="dim", highlight=False),
+                    progress=sys.stderr.isatty())
     figures = {"model": loaded.name, "dtype": loaded.precision.name, "kv": kind, "data": data, "tasks": tasks,
                "quant": getattr(loaded.model, "specquant_quant_label", None), "reference": reference_name,
                **out["figures"], "protocol": out["protocol"], "seconds": out["seconds"]}

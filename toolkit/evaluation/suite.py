@@ -8,6 +8,8 @@ and cloze/mc passages are fed context-then-continuation through the cache (see f
 import time
 from dataclasses import asdict, dataclass
 
+from tqdm import tqdm
+
 from toolkit.errors import InputError
 from toolkit.evaluation.choice import score_choice
 from toolkit.evaluation.cloze import score_cloze
@@ -45,9 +47,9 @@ def resolve_tasks(task: str | list[str]) -> list[str]:
 
 
 def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Settings, reference=None,
-              kv_cfg=None, data: str = "text", log=print) -> dict:
+              kv_cfg=None, data: str = "text", log=print, progress: bool = False) -> dict:
     """{"figures": flat dict of numbers, "protocol": {task: description dict}, "seconds": {task: wall time}}.
-    reference=None: the model is its own reference."""
+    reference=None: the model is its own reference. progress: tqdm bars on stderr."""
     kind = kv_kind(kv_cfg)
     through_cache = kind != "fp"
     figures, protocol, seconds = {}, {}, {}
@@ -60,7 +62,9 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
             chunk = min(settings.chunk or settings.window, settings.window // 2) if through_cache else None
             proto = type(proto)(**{**asdict(proto), "chunk": chunk, "kv": kind})
             log(f"ppl/kl/top-1: {proto.describe()}")
-            figures.update(score_windows(model, windows, reference, kv_cfg, chunk, settings.batch_size))
+            with tqdm(total=len(windows), desc="ppl", unit="window", leave=False, disable=not progress) as bar:
+                figures.update(score_windows(model, windows, reference, kv_cfg, chunk, settings.batch_size,
+                                             bar.update))
             protocol["ppl"] = {**proto.to_dict(), "reference": reference_note,
                                "kl": "KL(reference || candidate), nats per scored token, same windows"}
         elif task in ("cloze", "mc"):
@@ -71,8 +75,10 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
                         f"passages cut to {settings.max_context} tokens (BOS first)"
                         + (", fed context-then-continuation through the KV cache" if through_cache else ""))
             log(f"{task}: {describe}")
-            figures.update(scorer(model, tokenizer, chosen, reference, settings.max_context,
-                                  settings.item_batch_size, kv_cfg, through_cache))
+            rows = len(chosen) * (1 if task == "cloze" else len(chosen[0]["endings"])) * (1 + (reference is not None))
+            with tqdm(total=rows, desc=task, unit="row", leave=False, disable=not progress) as bar:
+                figures.update(scorer(model, tokenizer, chosen, reference, settings.max_context,
+                                      settings.item_batch_size, kv_cfg, through_cache, bar.update))
             protocol[task] = {"items": len(chosen), "built": len(items), "items_hash": key,
                               "max_context": settings.max_context, "kv": kind, "text": describe,
                               "reference": reference_note}
