@@ -26,6 +26,15 @@ def _train_tokenizer():
                                    pad_token="<pad>", padding_side="left")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _throwaway_results_store(tmp_path_factory):
+    """bench/eval runs under test append to a throwaway results store, never the user's."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SPECQUANT_STORE", str(tmp_path_factory.mktemp("store") / "results.jsonl"))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return _train_tokenizer()

@@ -162,3 +162,10 @@ def test_the_html_page_renders_in_headless_chromium_without_network(store, tmp_p
     assert image.size == (1200, 1400)
     # a rendered page is not blank: the table and the inlined plot put dark pixels on it
     assert sum(1 for v in image.getdata() if v < 128) > 5000
+
+
+def test_the_default_store_follows_specquant_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECQUANT_STORE", str(tmp_path / "s.jsonl"))
+    assert append_to_store({"kind": "bench"}) == tmp_path / "s.jsonl"
+    assert append_to_store({"kind": "bench"}, "none") is None
+    assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 1

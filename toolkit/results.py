@@ -45,9 +45,12 @@ def default_store() -> Path:
 
 
 def store_path(store: str | None) -> Path | None:
-    """`store=` -> the JSONL file: null = $SPECQUANT_HOME/results.jsonl, "none"/"false" = no store."""
+    """`store=` -> the JSONL file: null = $SPECQUANT_STORE if set (tests point it at a throwaway file), else
+    $SPECQUANT_HOME/results.jsonl; "none"/"false" = no store."""
     if store is None or store == "":
-        return default_store()
+        store = os.environ.get("SPECQUANT_STORE")
+        if not store:
+            return default_store()
     if str(store).lower() in ("none", "false", "off"):
         return None
     return Path(store).expanduser()
