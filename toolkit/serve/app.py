@@ -130,7 +130,7 @@ def create_app(state: ServerState) -> FastAPI:
             while True:
                 try:
                     event = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # (a distinct class before Python 3.11)
                     if await request.is_disconnected():
                         _cancel(seq)
                         return JSONResponse({}, status_code=499)

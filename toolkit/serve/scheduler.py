@@ -27,6 +27,8 @@ from toolkit.serve.slot_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
 
+PREFILL_TOKENS_PER_TURN = 512  # prompt tokens prefilled between two decode steps (one longer request always goes)
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -120,7 +122,10 @@ class Scheduler:
         return sum(s.reserved_tokens for s in self.running)
 
     def _admit(self) -> None:
-        while True:
+        # Prefill runs alone and stalls every live row: bound the prompt tokens prefilled per turn (at least one
+        # request) so a burst of arrivals interleaves with decode steps instead of freezing the batch for all of them.
+        budget = PREFILL_TOKENS_PER_TURN
+        while budget > 0:
             with self._cond:
                 gone = [s for s in self.waiting if s.cancelled.is_set()]
                 for seq in gone:  # clients that left while queued: out of the queue, wherever they stood
@@ -133,6 +138,7 @@ class Scheduler:
                     return
                 seq = self.waiting.popleft()
                 self.metrics.queue.set(len(self.waiting))
+            budget -= len(seq.prompt_ids)
             try:
                 self._prefill(seq)
             except Exception as exc:  # this request fails; the batch and the server go on
