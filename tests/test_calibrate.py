@@ -257,3 +257,26 @@ def test_true_sequential_changes_later_inputs_and_beats_rtn(arch, tiny_llama_dir
     gptq_err = _logit_error(runs[True][0], reference, batches)
     rtn_err = _logit_error(rtn_model, reference, batches)
     assert gptq_err < 0.8 * rtn_err, (gptq_err, rtn_err)
+
+
+def test_offloaded_model_calibrates_block_by_block_like_the_in_ram_one(tiny_llama_dir, batches, tmp_path):
+    """accelerate with a tiny RAM cap puts most blocks on disk (meta weights); GPTQ still quantizes every layer,
+    one onloaded block at a time, to the same codes as in RAM, and the result saves as a checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.quant.calibrate import GPTQLayerQuantizer
+    from toolkit.quant.checkpoint import save_quantized
+    from toolkit.quant.offload import has_offloaded
+
+    recipe = QuantRecipe(method="gptq", bits=4, group_size=32, symmetric=False)
+    in_ram = quantize_blockwise(_load(tiny_llama_dir), recipe, batches, GPTQLayerQuantizer(recipe), progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, device_map="auto",
+                                                 max_memory={"cpu": "100KB"}, offload_folder=str(tmp_path / "off"))
+    assert "disk" in set(model.hf_device_map.values()) and has_offloaded(model)
+    assert model.model.layers[1].mlp.down_proj.weight.device.type == "meta"
+    offloaded = quantize_blockwise(model, recipe, batches, GPTQLayerQuantizer(recipe), progress=False)
+    assert set(offloaded.weights) == set(in_ram.weights)
+    for name, qw in in_ram.weights.items():
+        assert (offloaded.weights[name].codes != qw.codes).float().mean() < 1e-3, name
+    assert not has_offloaded(model)  # everything left in float was brought back for saving
+    save_quantized(tmp_path / "ckpt", model, offloaded)

@@ -77,7 +77,12 @@ def run(cfg) -> Path:
     out = output_dir(cfg) or default_out(cfg.model.name, q)
     if out.exists() and not cfg.force:
         raise SpecquantError(f"{out} already exists", "pass force=true to replace it, or choose another output=")
-    loaded = load_model(cfg.model.name, dtype=torch.float32)
+    if cfg.get("offload"):  # larger than RAM: accelerate keeps what does not fit in max_memory on disk
+        from toolkit.quant.offload import load_offloaded
+
+        loaded = load_offloaded(cfg.model.name, cfg.offload, cfg.get("max_memory"))
+    else:
+        loaded = load_model(cfg.model.name, dtype=torch.float32)
     # a calibrating run saves each finished block here, so a killed run resumes where it stopped
     state_dir = out.with_name(f".{out.name}.state")
     start = time.perf_counter()

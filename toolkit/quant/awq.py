@@ -47,7 +47,7 @@ class AWQOptions:
     clip_grid: int = 20  # shrink steps of max|w| (AutoAWQ n_grid in _compute_best_clip)
     max_shrink: float = 0.5  # shrink max|w| by at most this fraction
     clip_tokens: int = 512  # tokens (evenly spaced over the calibration data) the clip search measures on
-    search_samples: int = 16  # calibration sequences the scale search measures its loss on (means use all)
+    search_samples: int = 8  # calibration sequences the scale search measures its loss on (means use all)
 
     def __post_init__(self):
         if self.grid < 1 or self.clip_grid < 1 or self.clip_tokens < 1 or self.search_samples < 1:

@@ -67,6 +67,7 @@ from toolkit.quant.model_quant import (
 )
 from toolkit.quant.awq import AWQLayerQuantizer, AWQOptions
 from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
+from toolkit.quant.offload import has_offloaded, onload, release
 from toolkit.quant.primitives import QuantConfig
 from toolkit.quant.quantized_weight import QuantizedWeight
 from toolkit.quant.rtn import rtn_quantize
@@ -197,6 +198,8 @@ def _capture(model, blocks: nn.ModuleList, batches: torch.Tensor, device) -> tup
     def identity(*args, **kwargs):
         return args[0] if args else kwargs["hidden_states"]
 
+    # an accelerate-dispatched block already has an instance forward (its hook's wrapper): put it back after
+    saved_forwards = [block.__dict__.get("forward") for block in blocks]
     try:
         for i, block in enumerate(blocks):
             handles.append(block.register_forward_pre_hook(make_hook(i), with_kwargs=True))
@@ -210,8 +213,10 @@ def _capture(model, blocks: nn.ModuleList, batches: torch.Tensor, device) -> tup
     finally:
         for handle in handles:
             handle.remove()
-        for block in blocks:
+        for block, forward in zip(blocks, saved_forwards):
             block.__dict__.pop("forward", None)
+            if forward is not None:
+                block.forward = forward
     if len(inputs) != batches.shape[0] or any(k is None for k in kwargs_per_block):
         raise RuntimeError("could not capture the decoder blocks' inputs (does the model call its blocks?)")
     return inputs, kwargs_per_block
@@ -253,6 +258,8 @@ def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantiz
     norm_outputs: dict[str, torch.Tensor] = {}
     producers: dict[str, nn.Module] = {}
     seen: dict[str, torch.Tensor] = {}  # this sample: name -> the input tensor it got
+    fed: set[int] = set()  # this sample: ids of the accumulators that got its input
+    distinct: list[int] = []  # [number of distinct accumulators], known after the first sample
     handles = []
 
     def make_hook(name):
@@ -269,7 +276,10 @@ def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantiz
                 with timer("statistics (Hessians / input copies)"):
                     accumulators[name].add(x.detach())
             seen[name] = x
-            if stop_early and len(seen) == len(linears):
+            fed.add(id(accumulators[name]))
+            # the first sample runs until every Linear has fired (that is how sharing is found); later ones
+            # stop as soon as each distinct accumulator has this sample (q's input is k's and v's too)
+            if stop_early and (len(seen) == len(linears) or (distinct and len(fed) == distinct[0])):
                 raise _StopForward
         return hook
 
@@ -286,7 +296,10 @@ def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantiz
                 if "norm" in name.rsplit(".", 1)[-1] and not list(module.children()):
                     handles.append(module.register_forward_hook(norm_hook(name)))
         for x in inputs:
+            if seen and not distinct and len(accumulators) == len(linears):
+                distinct.append(len({id(acc) for acc in accumulators.values()}))
             seen.clear()
+            fed.clear()
             norm_outputs.clear()
             try:
                 with timer("block forwards, statistics pass"):
@@ -398,6 +411,11 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
     # true sequential (GPTQ): quantize a block's Linears in stages, each on inputs recomputed through the
     # already-quantized earlier stages. AWQ folds scales into up/v, which must still be float: one stage.
     sequential = recipe.true_sequential and not hasattr(layer_quantizer, "prepare_block")
+    # a model loaded with accelerate offload (larger than RAM): one block in RAM at a time, the rest onloaded
+    # at the end (the checkpoint needs the float tensors); the quantized Linears are left on meta, not fake-quant
+    offloaded = has_offloaded(model)
+    if offloaded:
+        device = torch.device("cpu")  # offloaded tensors sit on meta; accelerate computes on the CPU here
 
     state = None
     done = 0
@@ -441,6 +459,8 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                   disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
             for i in bar:
                 block, kwargs = blocks[i], block_kwargs[i]
+                if offloaded:
+                    onload(block)  # this block's weights into RAM, from accelerate's offload folder
                 block_weights = {}
                 stages = _stages(per_block[i], sequential)
                 for k, stage in enumerate(stages):
@@ -465,6 +485,8 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                 if i + 1 < len(blocks):
                     with timer("block forwards, outputs pass"):
                         inputs = _run_block(block, inputs, kwargs)  # the next block's inputs, from the quantized block
+                if offloaded:
+                    release(list(per_block[i].values()))  # RAM stays about one block: the codes are kept
                 if state is not None:
                     _atomic_save({"weights": {n: _qw_to_dict(q) for n, q in block_weights.items()},
                                   "errors": {n: errors[n] for n in block_weights}}, state / f"block_{i:04d}.pt")
@@ -474,6 +496,8 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                     (state / f"inputs_{i:04d}.pt").unlink(missing_ok=True)
         del inputs
 
+    if offloaded:
+        onload(model)
     ordered = {name: weights[name] for name in linears if name in weights}
     return QuantizedStateDict(weights=ordered, recipe=recipe, skipped=skipped,
                               errors={name: errors[name] for name in ordered}, timings=dict(timer))
@@ -504,8 +528,11 @@ class GPTQLayerQuantizer:
 def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, progress: bool = True,
                               state_dir: str | os.PathLike | None = None) -> QuantizedStateDict:
     """The one entry point for `specquant quantize`: RTN needs no data; GPTQ and AWQ calibrate block by block."""
-    if recipe.method == "rtn":
+    if recipe.method == "rtn" and not has_offloaded(model):
         return quantize_model(model, recipe, progress=progress)
+    if recipe.method == "rtn":  # an offloaded model is walked block by block; RTN needs just one short window
+        batches = calibration_batches(tokenizer, recipe.dataset, 1, 16)
+        return quantize_blockwise(model, recipe, batches, RTNLayerQuantizer(recipe.config), progress=progress)
     batches = calibration_batches(tokenizer, recipe.dataset, recipe.n_samples, recipe.seq_len)
     return quantize_blockwise(model, recipe, batches, layer_quantizer_for(recipe), progress=progress,
                               state_dir=state_dir)

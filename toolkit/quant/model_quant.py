@@ -61,7 +61,7 @@ class QuantRecipe:
     awq_clip_grid: int = 20  # shrink steps of the clip search
     awq_max_shrink: float = 0.5  # max_shrink: clip max|w| by at most this fraction
     awq_clip_tokens: int = 512  # n_sample_token: tokens the clip search measures on
-    awq_search_samples: int = 16  # calibration sequences the scale-search loss is measured on
+    awq_search_samples: int = 8  # calibration sequences the scale-search loss is measured on
     # calibration data for data-aware methods: windows from the calibration split of `dataset`
     dataset: str = "pydoc"
     n_samples: int = 128
@@ -176,7 +176,7 @@ def quantizable_linears(model: nn.Module, recipe: QuantRecipe) -> tuple[dict[str
             skipped.append(SkippedModule(name, f"matches skip pattern {pattern!r}"))
         elif recipe.modules is not None and matches(name, recipe.modules) is None:
             skipped.append(SkippedModule(name, "matches none of the recipe's modules patterns"))
-        elif module.weight.device.type == "meta":
+        elif module.weight.device.type == "meta" and not _offloaded(module):
             skipped.append(SkippedModule(name, "weight is on the meta device (not loaded)"))
         else:
             try:
@@ -186,6 +186,12 @@ def quantizable_linears(model: nn.Module, recipe: QuantRecipe) -> tuple[dict[str
                 continue
             linears[name] = module
     return linears, skipped
+
+
+def _offloaded(module: nn.Module) -> bool:
+    """accelerate keeps this module's weight on disk (meta here) and loads it per forward: still quantizable."""
+    hook = getattr(module, "_hf_hook", None)
+    return bool(getattr(hook, "offload", False)) and getattr(hook, "weights_map", None) is not None
 
 
 _ALGORITHMS: dict[str, Callable[[torch.Tensor, QuantConfig, torch.Tensor | None], QuantizedWeight]] = {
