@@ -29,12 +29,14 @@ def evaluate_model(cfg) -> dict:
     split = cfg.data.get("split", "evaluation")
     texts = list(load_text(cfg.data.name, split)["text"])
     data = f"{cfg.data.name}/{split}"
-    console.print(f"[bold]{loaded.name}[/] ({loaded.precision.name}, KV {kind}) vs reference {reference_name}")
+    quant = getattr(loaded.model, "specquant_quant_label", None)
+    running = f"{quant} Linear weights, the rest {loaded.precision.name}" if quant else loaded.precision.name
+    console.print(f"[bold]{loaded.name}[/] ({running}, KV {kind}) vs reference {reference_name}")
     out = run_tasks(loaded.model, loaded.tokenizer, texts, tasks, settings, reference, cfg.kv, data,
                     log=lambda line: console.print(f"  protocol {line}", style="dim", highlight=False),
                     progress=sys.stderr.isatty())
     figures = {"model": loaded.name, "dtype": loaded.precision.name, "kv": kind, "data": data, "tasks": tasks,
-               "quant": getattr(loaded.model, "specquant_quant_label", None), "reference": reference_name,
+               "quant": quant, "reference": reference_name,
                **out["figures"], "protocol": out["protocol"], "seconds": out["seconds"]}
     if "ppl" in figures:
         figures["ppl_increase"] = figures["ppl"] / figures["ref_ppl"] - 1
