@@ -179,6 +179,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8128])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--baselines", action="store_true")
+    parser.add_argument("--kinds", nargs="+", help="caches to compare with fp (default: int8 int4 int2 [+ baselines])")
+    parser.add_argument("--no-cached", action="store_true", help="skip the int4 float-copy path in itl")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -194,6 +196,7 @@ def main() -> None:
     names = list(KINDS)
     if args.baselines:
         names += [f"{b}-int{bits}" for b, bits in HF_BASELINES]
+    names = args.kinds or names
     if "quality" in args.parts or "itl" in args.parts:
         from toolkit.models import load_model
 
@@ -210,7 +213,7 @@ def main() -> None:
     if "itl" in args.parts:
         result["itl"] = []
         for context in args.contexts:
-            r = itl(model, tok, names + ["int4-cached"], context, args.steps, args.group, args.residual)
+            r = itl(model, tok, names + ([] if args.no_cached else ["int4-cached"]), context, args.steps, args.group, args.residual)
             result["itl"].append(r)
             print(f"itl: {r['protocol']}")
             for n, v in r.items():
