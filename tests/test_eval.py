@@ -185,12 +185,10 @@ def test_eval_cli_rejects_an_unknown_task(tiny_llama_dir, tmp_path):
 
 
 def test_a_quantized_kv_cache_is_read_back_and_shows_in_the_figures(tiny_llama_dir, tiny_tokenizer, pydoc_texts):
+    from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from omegaconf import OmegaConf
-
     from toolkit.evaluation.suite import Settings, run_tasks
-
     from toolkit.kv import KINDS
 
     if "int2" not in KINDS:

@@ -12,7 +12,7 @@ import pytest
 
 from toolkit.errors import DataError
 from toolkit.report.markdown import render_markdown
-from toolkit.report.pareto import pareto_front, plot_pareto
+from toolkit.report.pareto import pareto_front
 from toolkit.report.recommend import recommend
 from toolkit.report.rows import build_rows
 from toolkit.report.store import read_store

@@ -49,9 +49,10 @@ def render_markdown(rows, title: str = "Benchmarks", note: str = "") -> str:
         lines += [note, ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(row, qmarks, smarks)) + " |" for row in rows]
-    lines += ["", "Δppl: perplexity over the reference's on the same windows. ref: the reference model (the float "
+    legend = ("Δppl: perplexity over the reference's on the same windows. ref: the reference model (the float "
               "model in fp32 with a full-precision KV cache). x transformers: decode tokens/s over transformers "
-              "`generate()` (fp32) interleaved in the same run.", "", "## Protocols", ""]
+              "`generate()` (fp32) interleaved in the same run.")
+    lines += ["", legend, "", "## Protocols", ""]
     lines += [f"- **[{mark}]** {text}" for text, mark in qmarks.items()]
     lines += [f"- **[{mark}]** {text}" for text, mark in smarks.items()]
     return "\n".join(lines) + "\n"

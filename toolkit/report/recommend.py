@@ -19,9 +19,10 @@ def recommend(rows, max_ppl_increase: float) -> tuple[object, list[str]]:
                         "raise max_ppl_increase or add configurations to the store")
     ranked = sorted(within, key=lambda r: r.tokens_per_s, reverse=True)
     best = ranked[0]
-    why = [f"{best.label}: {best.tokens_per_s:.1f} decode tokens/s, perplexity {best.quality['ppl']:.3f} vs "
-           f"reference {best.quality['ref_ppl']:.3f} ({100 * best.ppl_increase:+.2f}%, budget "
-           f"{100 * max_ppl_increase:.2f}%)"]
+    first = (f"{best.label}: {best.tokens_per_s:.1f} decode tokens/s, perplexity {best.quality['ppl']:.3f} vs "
+             f"reference {best.quality['ref_ppl']:.3f} ({100 * best.ppl_increase:+.2f}%, budget "
+             f"{100 * max_ppl_increase:.2f}%)")
+    why = [first]
     if len(ranked) > 1:
         runner = ranked[1]
         why.append(f"next fastest within budget: {runner.label} at {runner.tokens_per_s:.1f} tokens/s "
