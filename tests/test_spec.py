@@ -87,7 +87,7 @@ def test_a_batch_keeps_different_lengths_per_row_and_equals_each_row_alone(llama
     batched = speculative_generate(llama, tok, prompts, 16, _drafts(llama, tok, gemma)[draft_name](),
                                    DraftLength(4), stop_tokens=set())
     assert _ids(batched) == alone == reference
-    if draft_name != "self-all-layers":  # the full self-draft is the target: it always keeps everything
+    if draft_name in ("self-int4-1layer", "other-model"):  # drafts that partly agree with this random target
         assert len(batched.stats.histogram) > 1  # rows really did keep different numbers of tokens
 
 
