@@ -1,8 +1,6 @@
 """Speculative decoding (toolkit/spec): greedy identity with the target alone for every draft, batch and cache kind;
 the accept/resample rule against the exact distribution; rollback; the draft-length policy; clear errors."""
 
-import itertools
-import math
 
 import pytest
 import torch
@@ -95,11 +93,11 @@ def test_quantized_kv_caches_roll_back_exactly(llama_and_gemma):
     """With every KV cache kind the engine offers, speculation reproduces the engine on that same cache."""
     from toolkit.kv import KINDS
 
-    llama, gemma, tok = llama_and_gemma
+    llama, _, tok = llama_and_gemma
     prompts = _prompts(4)
     for kind in KINDS:
         reference = _ids(generate(llama, tok, prompts, 16, stop_tokens=set(), kv=kind))
-        for make in (lambda: LookupDraft(), lambda: ModelDraft(build_self_draft(llama, bits=None), kv=kind)):
+        for make in (LookupDraft, lambda kind=kind: ModelDraft(build_self_draft(llama, bits=None), kv=kind)):
             alone = [speculative_generate(llama, tok, [p], 16, make(), DraftLength(3), stop_tokens=set(),
                                           kv=kind).sequences[0].token_ids for p in prompts]
             assert alone == reference, kind
@@ -160,7 +158,7 @@ def test_a_draft_with_another_tokenizer_is_a_clear_error(llama_and_gemma, tiny_t
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    llama, gemma, tok = llama_and_gemma
+    _, gemma, tok = llama_and_gemma
     raw = Tokenizer(models.BPE(unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.train_from_iterator(["a different corpus entirely " * 50], trainers.BpeTrainer(

@@ -37,15 +37,15 @@ def draft_length(spec_cfg) -> DraftLength:
                        k_min=int(_get(spec_cfg, "k_min", 1)), k_max=int(_get(spec_cfg, "k_max", 8)))
 
 
-def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams = SamplingParams(), engine_cfg=None):
+def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = None, engine_cfg=None):
     """The draft `spec_cfg` describes, for `target` (a prepared engine model) and its tokenizer; None for none."""
     kind = spec_kind(spec_cfg)
     if kind == "none":
         return None
     if kind == "lookup":
         return LookupDraft(int(_get(spec_cfg, "ngram_max", 3)), int(_get(spec_cfg, "ngram_min", 1)))
-    common = dict(sampling=sampling, target_vocab=_vocab(target), kv=_get(spec_cfg, "kv"),
-                  min_confidence=float(_get(spec_cfg, "min_confidence", 0.0) or 0.0))
+    common = {"sampling": sampling or SamplingParams(), "target_vocab": _vocab(target), "kv": _get(spec_cfg, "kv"),
+              "min_confidence": float(_get(spec_cfg, "min_confidence", 0.0) or 0.0)}
     if kind == "self":
         from toolkit.spec.self_draft import build_self_draft
 

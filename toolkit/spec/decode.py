@@ -11,6 +11,7 @@ shared cache holds rows of different lengths). Draft length is fixed (`k`) or ad
 where every draft token was kept, one shorter after a rejection, within [k_min, k_max].
 """
 
+import itertools
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -18,8 +19,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolkit.engine.generate import (GenerationResult, SequenceOutput, TokenCallback, _Detokenizer, encode_prompts,
-                                     stop_token_ids, validate_request)
+from toolkit.engine.generate import (
+    GenerationResult,
+    SequenceOutput,
+    TokenCallback,
+    _Detokenizer,
+    encode_prompts,
+    stop_token_ids,
+    validate_request,
+)
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.engine.timing import GenerationTiming
 from toolkit.errors import InputError
@@ -101,13 +109,14 @@ def capacity(width: int, new_tokens: int, k_max: int, batch: int) -> int:
 
 
 def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, length: DraftLength = DraftLength(),
-                         sampling: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = (),
+                         sampling: SamplingParams | None = None, stop_strings: Sequence[str] = (),
                          stop_tokens: set[int] | None = None, on_token: TokenCallback | None = None, kv=None,
                          generator: torch.Generator | None = None) -> SpecResult:
     """Generate like `engine.generate.generate` (same arguments, same outputs: greedy output is token-identical
     to it, sampled output has the same distribution), with `draft` proposing tokens the target verifies."""
     from toolkit.kv import make_kv_cache
 
+    sampling = sampling or SamplingParams()
     encoded = encode_prompts(tokenizer, prompts)
     validate_request(model, [len(ids) for ids in encoded], new_tokens)
     stop_tokens = stop_token_ids(model, tokenizer) if stop_tokens is None else set(stop_tokens)
@@ -226,7 +235,7 @@ def _timing(start: float, marks: list[tuple[float, int]], width: int, batch: int
     once counts as n latencies of a round's time / n each (the mean a reader of the stream sees)."""
     ttft = marks[0][0] - start
     itl = []
-    for (t_prev, _), (t, n) in zip(marks, marks[1:]):
+    for (t_prev, _), (t, n) in itertools.pairwise(marks):
         per_row = max(1, round(n / batch)) if batch > 1 else max(n, 1)
         itl.extend([(t - t_prev) / per_row] * per_row)
     return GenerationTiming(width, batch, ttft, itl)

@@ -76,7 +76,7 @@ class ModelDraft:
 
     deterministic = False
 
-    def __init__(self, model, sampling: SamplingParams = SamplingParams(), target_tokenizer=None,
+    def __init__(self, model, sampling: SamplingParams | None = None, target_tokenizer=None,
                  draft_tokenizer=None, target_vocab: int | None = None, kv=None, min_confidence: float = 0.0,
                  generator: torch.Generator | None = None):
         problem = vocab_mismatch(target_tokenizer, draft_tokenizer)
@@ -84,7 +84,7 @@ class ModelDraft:
             raise InputError(f"the draft model's tokenizer does not match the target's: {problem}",
                              "use a draft from the same model family (same tokenizer), e.g. a smaller size or a "
                              "quantized checkpoint of the target, or spec=lookup / spec=self")
-        self.model, self.sampling, self.kv = model, sampling, kv
+        self.model, self.sampling, self.kv = model, sampling or SamplingParams(), kv
         self.target_vocab, self.min_confidence, self.generator = target_vocab, min_confidence, generator
         self.state: RaggedBatch | None = None
 

@@ -29,7 +29,11 @@ def _decoder(model) -> nn.Module:
 
 def _quantize_layers(layers: list[nn.Module], bits: int, group_size: int) -> list[nn.Module]:
     """Copies of `layers` with their Linear weights RTN-quantized and swapped for QuantLinear."""
-    from toolkit.quant.model_quant import QuantRecipe, quantize_model, swap_quantized_modules
+    from toolkit.quant.model_quant import (
+        QuantRecipe,
+        quantize_model,
+        swap_quantized_modules,
+    )
     from toolkit.quant.qlinear import QuantLinear
 
     holder = nn.ModuleList([copy.deepcopy(layer) for layer in layers])
