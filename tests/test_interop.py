@@ -30,7 +30,7 @@ KERNEL_TOL = 5e-2  # measured 0..2.6e-2: bf16 activations and scales in gptqmode
 IDS = torch.tensor([[1, 17, 42, 99, 7, 256, 300, 12, 5, 64, 33, 2, 111, 45, 9, 400]])
 
 
-def _ours(path):
+def _ours(path, ids=IDS):
     """Logits of the directory imported by specquant: (QuantLinear engine path, dequantized float reference)."""
     import copy
 
@@ -54,10 +54,10 @@ def _ours(path):
     swap_quantized_modules(float_model, qsd, dequantized)
     swap_quantized_modules(model, qsd, QuantLinear.from_quantized)
     with torch.no_grad():
-        return model(IDS).logits, float_model(IDS).logits
+        return model(ids).logits, float_model(ids).logits
 
 
-def _theirs(path, force_dequant: bool):
+def _theirs(path, force_dequant: bool, ids=IDS):
     """Logits of transformers.from_pretrained (gptqmodel kernels) on the directory, fp32 activations."""
     from transformers import AutoModelForCausalLM
 
@@ -69,17 +69,17 @@ def _theirs(path, force_dequant: bool):
         for m in qlinears:
             m.linear_mode = "train"  # their dequantize + matmul path in the activation dtype
     with torch.no_grad():
-        return model(IDS).logits.float()
+        return model(ids).logits.float()
 
 
 def _rel_max(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _check(path, label):
-    engine, reference = _ours(path)
-    layout = _rel_max(_theirs(path, force_dequant=True), reference)
-    kernel = _rel_max(_theirs(path, force_dequant=False), engine)
+def _check(path, label, ids=IDS):
+    engine, reference = _ours(path, ids)
+    layout = _rel_max(_theirs(path, force_dequant=True, ids=ids), reference)
+    kernel = _rel_max(_theirs(path, force_dequant=False, ids=ids), engine)
     print(f"{label}: max|diff|/max|logit| layout {layout:.2e}, kernel {kernel:.2e}")
     assert layout <= LAYOUT_TOL, f"{label}: packing disagrees ({layout:.3e})"
     assert kernel <= KERNEL_TOL, f"{label}: kernel logits disagree ({kernel:.3e})"
@@ -138,3 +138,19 @@ def test_c_a_gptqmodel_checkpoint_loads_in_specquant(gptqmodel_checkpoint):
     assert any(qw.g_idx is not None for qw in qsd.weights.values())  # desc_act survived as g_idx
     assert not next(iter(qsd.weights.values())).config.symmetric
     _check(gptqmodel_checkpoint, "gptqmodel-made w4g32 desc_act asym")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("fmt,symmetric", [("gptq", True), ("awq", False)])
+def test_d_smollm2_exports_load_in_transformers(fmt, symmetric, smollm2, tmp_path):
+    """SmolLM2-135M RTN w4g64 exported and loaded by transformers + gptqmodel, 128 tokens of pydoc text."""
+    from toolkit.data import load_text
+    from toolkit.quant.checkpoint import save_quantized
+    from toolkit.quant.formats import export_checkpoint
+    from toolkit.quant.model_quant import QuantRecipe, quantize_model
+
+    text = "\n".join(load_text("pydoc")["text"][:20])
+    ids = smollm2.tokenizer(text[:4000], return_tensors="pt").input_ids[:, :128]
+    qsd = quantize_model(smollm2.model, QuantRecipe(bits=4, group_size=64, symmetric=symmetric), progress=False)
+    ck = save_quantized(tmp_path / "ck", smollm2.model, qsd, tokenizer=smollm2.tokenizer, source="smollm2-135m")
+    _check(export_checkpoint(ck, fmt, tmp_path / fmt), f"smollm2 rtn w4g64 {fmt}", ids)
