@@ -1,0 +1,151 @@
+"""`specquant diagnose` (toolkit/diagnose/): each section present and consistent on a tiny model, the
+recommendation names a measured option, and prefill-heavy vs decode-heavy workloads are told apart."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from toolkit.bench.latency import kv_bytes_per_token, weight_bytes_per_token
+from toolkit.diagnose import whatifs
+from toolkit.diagnose.kv_pressure import kv_pressure
+from toolkit.diagnose.recommend import recommend
+from toolkit.diagnose.roofline import path_bound
+from toolkit.diagnose.split import dominant, time_split
+from toolkit.diagnose.workload import input_stats
+from toolkit.engine.generate import generate
+from toolkit.engine.setup import load_engine_model
+from toolkit.engine.timing import GenerationTiming
+
+ENGINE = OmegaConf.create({"device": "cpu", "dtype": "fp32", "weight_dtype": "auto", "threads": 1, "compile": False})
+
+
+@pytest.fixture(scope="module")
+def report(tiny_llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("diagnose")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "toolkit", "diagnose", f"model={tiny_llama_dir}", "prompts=open",
+                          "prompt_tokens=48", "n_prompts=2", "new_tokens=8", "whatifs=all", "engine=fp32",
+                          "engine.threads=1", "kv_budget_gib=1", f"out={out / 'd.json'}", f"plot={out / 'd.png'}"],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((out / "d.json").read_text()), run.stdout, out
+
+
+def test_every_section_is_present_and_printed(report):
+    result, stdout, out = report
+    for key in ("workload", "split", "dominant", "roofline", "kv_pressure", "whatifs", "recommendation"):
+        assert key in result
+    for title in ("1. Input", "2. TTFT vs ITL", "3. Bound", "4. KV pressure", "5. What-ifs", "6. Recommendation"):
+        assert title in stdout
+    assert (out / "d.png").stat().st_size > 1000 and (out / "d.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_shares_sum_to_one_and_tokens_per_char_is_consistent(report):
+    result = report[0]
+    w = result["workload"]
+    assert w["tokens_per_char"] == pytest.approx(w["tokens"] / w["chars"])
+    assert 0 <= w["repeated_prefix_share"] < 1
+    for split in [result["split"], *result["whatifs"]["rows"].values()]:
+        assert split["prefill_share"] + split["decode_share"] == pytest.approx(1)
+        assert split["e2e_ms"] > split["ttft_ms"] > 0
+    assert result["dominant"] in ("prefill", "decode")
+
+
+def test_decode_bytes_are_the_weights_plus_the_kv_cache(report, tiny_llama_dir):
+    result = report[0]
+    model = load_engine_model(str(tiny_llama_dir), ENGINE).model
+    decode = result["roofline"]["decode"]
+    context = result["prompt_tokens"] + result["new_tokens"] / 2
+    assert decode["weight_bytes"] == weight_bytes_per_token(model)
+    assert decode["kv_bytes"] == pytest.approx(kv_bytes_per_token(model, torch.float32) * context)
+    assert decode["bytes_per_token"] == pytest.approx(decode["weight_bytes"] + decode["kv_bytes"])
+    for path in ("prefill", "decode"):
+        p = result["roofline"][path]
+        assert p["bound"] in ("compute", "memory") and p["flops_per_token"] > 0 and p["times_roofline"] > 0
+    kinds = result["kv_pressure"]["kinds"]
+    assert kinds["fp"]["bytes_per_sequence"] == kv_bytes_per_token(model, torch.float32) * \
+        result["kv_pressure"]["context_tokens"]
+
+
+def test_every_whatif_was_measured_and_the_recommendation_names_one(report):
+    result = report[0]
+    rows = result["whatifs"]["rows"]
+    assert set(rows) == {"baseline", *whatifs.ALL} == set(result["whatifs"]["measured"])
+    assert sorted(result["whatifs"]["ranking"]) == sorted(rows)
+    for name, row in rows.items():
+        assert row["runs"] == 2 and row["kl"] >= 0
+    # greedy speculative decoding reproduces the baseline's tokens exactly
+    assert rows["lookup"]["token_agreement"] == 1.0 and rows["self"]["token_agreement"] == 1.0
+    assert rows["w4"]["kl"] > rows["w8"]["kl"] > 0  # weight quantization measured against the baseline
+    rec = result["recommendation"]
+    assert rec["option"] in rows and rec["command"].startswith(("specquant", rows[rec["option"]]["apply"]))
+
+
+def _timing(prompt, ttft, itl, steps):
+    return GenerationTiming(prompt, 1, ttft, [itl] * steps)
+
+
+def test_synthetic_prefill_heavy_and_decode_heavy_workloads_are_classified():
+    long_prompt = time_split([_timing(2048, 6.0, 0.02, 31), _timing(2048, 5.0, 0.02, 31)])
+    long_output = time_split([_timing(64, 0.05, 0.02, 511)])
+    assert dominant(long_prompt) == "prefill" and dominant(long_output) == "decode"
+    assert long_output["decode_share"] == pytest.approx(511 * 0.02 / (0.05 + 511 * 0.02))
+
+
+def test_real_runs_on_the_tiny_model_are_classified(tiny_llama_dir):
+    loaded = load_engine_model(str(tiny_llama_dir), ENGINE)
+    model, tok = loaded.model, loaded.tokenizer
+    prompt = list(range(5, 405))
+    heavy_prompt = generate(model, tok, [prompt], 1, stop_tokens=set()).timing  # one token: no decode step at all
+    heavy_output = generate(model, tok, [prompt[:4]], 200, stop_tokens=set()).timing
+    assert dominant(time_split([heavy_prompt])) == "prefill"
+    assert dominant(time_split([heavy_output])) == "decode"
+
+
+def test_repeated_prefix_share_counts_tokens_an_earlier_prompt_began_with():
+    encoded = [[1, 2, 3, 4], [1, 2, 3, 9, 9], [7, 8], [1, 2, 5]]
+    stats = input_stats(["abcd", "abcde", "ab", "abc"], encoded)
+    assert stats["repeated_prefix_tokens"] == 3 + 0 + 2
+    assert stats["repeated_prefix_share"] == pytest.approx(5 / 14)
+    assert stats["tokens_per_char"] == pytest.approx(14 / 14)
+
+
+def test_roofline_bound_follows_the_ridge_point():
+    # 100 GFLOP/s, 10 GB/s: ridge 10 FLOP/byte
+    compute = path_bound(flops=1e9, bytes_moved=1e6, seconds_per_token=0.02, peak_flops=1e11, bandwidth=1e10)
+    memory = path_bound(flops=1e6, bytes_moved=1e8, seconds_per_token=0.02, peak_flops=1e11, bandwidth=1e10)
+    assert compute["bound"] == "compute" and compute["times_roofline"] == pytest.approx(1e11 / (1e9 / 0.02))
+    assert memory["bound"] == "memory" and memory["times_roofline"] == pytest.approx(0.02 / (1e8 / 1e10))
+
+
+def test_a_quantized_kv_cache_fits_more_long_sequences(tiny_llama_dir):
+    model = load_engine_model(str(tiny_llama_dir), ENGINE).model
+    kinds = kv_pressure(model, 2048, torch.float32, 2**30)["kinds"]
+    assert kinds["fp"]["sequences_in_budget"] < kinds["int8"]["sequences_in_budget"] < \
+        kinds["int4"]["sequences_in_budget"]
+
+
+def test_auto_whatifs_follow_the_diagnosis():
+    assert "lookup" in whatifs.choose("auto", "decode", 0.0) and "kv-int8" not in whatifs.choose("auto", "decode", 0.0)
+    prefill = whatifs.choose("auto", "prefill", 0.3)
+    assert "lookup" not in prefill and {"w8", "kv-int4"} <= set(prefill)
+    with pytest.raises(Exception, match="unknown what-if"):
+        whatifs.choose(["w3"], "decode", 0.0)
+
+
+def _row(ttft, itl, kl):
+    return {"ttft_ms": ttft, "itl_ms": itl, "e2e_ms": ttft + 10 * itl, "kl": kl}
+
+
+def test_recommendation_cuts_the_dominant_metric_within_the_quality_budget():
+    rows = {"baseline": _row(100, 10, 0), "w4": _row(90, 5, 0.2), "w8": _row(95, 7, 0.01), "lookup": _row(100, 8, 0)}
+    apply = {n: f"cmd {n}" for n in rows}
+    rec = recommend(rows, "decode", kl_budget=0.05, min_gain=0.05, apply=apply, base_command="cmd")
+    assert rec["option"] == "w8" and rec["command"] == "cmd w8" and rec["gain"] == pytest.approx(0.3)
+    rec = recommend(rows, "prefill", kl_budget=0.05, min_gain=0.1, apply=apply, base_command="cmd")
+    assert rec["option"] == "baseline" and "no measured option" in rec["why"]

@@ -1,0 +1,28 @@
+"""specquant diagnose: the latency doctor (toolkit/diagnose/) on the user's workload; terminal report, JSON, PNG."""
+
+import sys
+
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from toolkit.diagnose.doctor import diagnose
+from toolkit.diagnose.render import plot_split, print_report
+from toolkit.engine.setup import load_engine_model
+from toolkit.machine import machine_facts
+from toolkit.results import make_result, write_result
+
+console = Console(width=None if sys.stdout.isatty() else 140)
+
+
+def run(cfg) -> dict:
+    loaded = load_engine_model(cfg.model.name, cfg.engine)
+    report = diagnose(cfg, loaded)
+    print_report(report, console)
+    result = make_result("diagnose", OmegaConf.to_container(cfg, resolve=True), report, machine_facts(measure=False))
+    if cfg.out:
+        write_result(cfg.out, result)
+        console.print(f"wrote {cfg.out}", highlight=False)
+    if cfg.plot:
+        plot_split(report, cfg.plot)
+        console.print(f"wrote {cfg.plot}", highlight=False)
+    return result

@@ -1,0 +1,103 @@
+"""The diagnosis, section by section, over one loaded model and the user's prompts: returns the report dict that
+render prints and the CLI writes as JSON. Nothing here is estimated that could be measured."""
+
+import torch
+from omegaconf import OmegaConf
+
+from toolkit.bench.latency import kv_bytes_per_token, weight_bytes_per_token
+from toolkit.diagnose import whatifs as wi
+from toolkit.diagnose.kv_pressure import default_budget, kv_pressure, sequence_kv_bytes
+from toolkit.diagnose.quality import quality_change, quality_slice
+from toolkit.diagnose.recommend import rank, recommend
+from toolkit.diagnose.roofline import measure_peaks, roofline
+from toolkit.diagnose.split import dominant as dominant_path
+from toolkit.diagnose.split import time_split
+from toolkit.diagnose.workload import input_stats
+from toolkit.engine.generate import encode_prompts
+from toolkit.errors import InputError
+from toolkit.kv import kv_kind
+
+
+def workload_texts(cfg, tokenizer) -> list[str]:
+    from toolkit.data import build_prompts
+
+    source = cfg.get("prompt_file") or cfg.get("prompts")
+    if not source:
+        raise InputError("no workload given", "pass prompts=SET (open, grounded, code, story) or prompt_file=PATH")
+    return [p.text for p in build_prompts(source, tokenizer, cfg.prompt_tokens, cfg.n_prompts)]
+
+
+def base_command(cfg) -> str:
+    source = f"prompt_file={cfg.prompt_file}" if cfg.get("prompt_file") else \
+        f"prompts={cfg.prompts} prompt_tokens={cfg.prompt_tokens}"
+    return f"specquant generate model={cfg.model.name} {source} n_prompts={cfg.n_prompts} new_tokens={cfg.new_tokens}"
+
+
+def cache_bytes_per_token(model, kv_cfg, context: int, dtype: torch.dtype) -> float:
+    if kv_kind(kv_cfg) == "fp":
+        return kv_bytes_per_token(model, dtype)
+    return sequence_kv_bytes(model, kv_kind(kv_cfg), context, dtype, kv_cfg) / context
+
+
+def diagnose(cfg, loaded, progress=None) -> dict:
+    model, tokenizer = loaded.model, loaded.tokenizer
+    kv_cfg = cfg.get("kv")
+    spec_cfg = cfg.get("spec") if cfg.get("spec") is not None and cfg.spec.get("kind") != "none" else None
+    texts = workload_texts(cfg, tokenizer)
+    encoded = encode_prompts(tokenizer, texts)
+    workload = input_stats(texts, encoded)
+    dtype = loaded.precision.compute
+    new_tokens = int(cfg.new_tokens)
+
+    # sections 2-3: the workload as the user runs it (its own kv= and spec=)
+    baseline = wi.Option("baseline", "none", model, kv_cfg, spec_cfg)
+    if spec_cfg is not None:
+        from toolkit.spec.build import build_draft
+
+        baseline.draft = build_draft(spec_cfg, model, tokenizer, engine_cfg=cfg.engine)
+    wi.measure([baseline], tokenizer, encoded, new_tokens, warmup=cfg.warmup, progress=progress)
+    split = time_split(baseline.timings)
+    path = dominant_path(split)
+    peak_flops, bandwidth = measure_peaks()
+    mean_prompt = workload["tokens_per_prompt"]
+    context = max(len(ids) for ids in encoded) + new_tokens
+    kv_per_token = cache_bytes_per_token(model, kv_cfg, context, dtype)
+    bound = roofline(model, kv_per_token, mean_prompt, new_tokens, split, peak_flops, bandwidth)
+    weights = weight_bytes_per_token(model)
+    budget = int(cfg.kv_budget_gib * 2**30) if cfg.get("kv_budget_gib") else default_budget(weights)
+    kv = kv_pressure(model, context, dtype, budget)
+
+    # section 5: the knobs the diagnosis points at, rerun beside the baseline
+    kv_share = bound["decode"]["kv_bytes"] / bound["decode"]["bytes_per_token"]
+    names = wi.choose(OmegaConf.to_container(cfg.whatifs) if OmegaConf.is_config(cfg.whatifs) else cfg.whatifs,
+                      path, kv_share)
+    quantized_input = getattr(model, "specquant_quant_label", None) is not None
+    options, notes = wi.build_options(names, model, cfg.model.name, cfg.engine, kv_cfg, spec_cfg, tokenizer,
+                                      quantized_input)
+    options[0].draft = baseline.draft
+    if workload["repeated_prefix_share"] > 0:
+        notes.append(f"prefix cache: not built (issue 8); it would skip {workload['repeated_prefix_share']:.1%} "
+                     "of prompt tokens here (not measured)")
+    wi.measure(options, tokenizer, encoded, new_tokens, warmup=cfg.warmup, progress=progress)
+    windows = quality_slice(tokenizer, cfg.quality.data, cfg.quality.window, cfg.quality.windows)
+    quality = quality_change(options, windows, cfg.quality.chunk)
+    rows = {}
+    for option in options:
+        rows[option.name] = {**time_split(option.timings), **quality[option.name], "knob": option.knob,
+                             "apply": option.apply,
+                             "token_agreement": wi.token_agreement(option.outputs, options[0].outputs)}
+    command = base_command(cfg)
+    on_dir = command.replace(f"model={cfg.model.name} ", "model=DIR ", 1)
+    apply = {o.name: (f"{command} {o.apply}" if o.knob in ("kv", "spec") else f"{o.apply} && {on_dir}"
+                      if o.knob == "weights" else command) for o in options}
+    for name in rows:
+        rows[name]["command"] = apply[name]
+    recommendation = recommend(rows, path, cfg.kl_budget, cfg.min_gain, apply, command)
+    return {
+        "model": loaded.name, "dtype": loaded.precision.name, "prompt_tokens": mean_prompt, "new_tokens": new_tokens,
+        "workload": workload, "split": split, "dominant": path, "roofline": bound, "kv_pressure": kv,
+        "whatifs": {"measured": [o.name for o in options], "rows": rows, "ranking": rank(rows), "notes": notes,
+                    "quality_slice": {"data": cfg.quality.data, "window": cfg.quality.window,
+                                      "windows": int(windows.shape[0]), "chunk": cfg.quality.chunk}},
+        "recommendation": recommendation,
+    }

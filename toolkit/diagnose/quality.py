@@ -1,0 +1,32 @@
+"""The what-ifs' quality change: KL(baseline || option) and perplexity on a small held-out slice.
+
+Weight options are scored against the baseline model; KV options run the baseline model fed `chunk` tokens at a time
+through their cache, so later chunks attend to quantized keys and values (the window must be longer than the cache's
+full-precision residual for any of it to be quantized). Greedy speculative decoding is lossless by construction: its
+KL is 0, and the report shows the measured token agreement with the baseline as the check."""
+
+from toolkit.evaluation.perplexity import score_windows
+
+
+def quality_slice(tokenizer, data: str, window: int, windows: int):
+    from toolkit.data import load_text
+    from toolkit.evaluation.windows import make_windows
+
+    texts = load_text(data)["text"]
+    ids, _ = make_windows(tokenizer, list(texts), window=window, max_windows=windows, data=data)
+    return ids
+
+
+def quality_change(options, windows, chunk: int) -> dict[str, dict]:
+    base = options[0]
+    reference = score_windows(base.model, windows, kv_cfg=base.kv, chunk=chunk)
+    out = {base.name: {"kl": 0.0, "ppl": reference["ppl"], "ppl_change": 0.0, "scored": "baseline"}}
+    for option in options[1:]:
+        if option.knob == "spec":
+            out[option.name] = {"kl": 0.0, "ppl": reference["ppl"], "ppl_change": 0.0,
+                                "scored": "lossless (greedy speculative decoding)"}
+            continue
+        figures = score_windows(option.model, windows, reference=base.model, kv_cfg=option.kv, chunk=chunk)
+        out[option.name] = {"kl": figures["kl"], "ppl": figures["ppl"],
+                            "ppl_change": figures["ppl"] / reference["ppl"] - 1, "scored": "measured"}
+    return out

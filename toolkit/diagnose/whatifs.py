@@ -1,0 +1,173 @@
+"""Section 5, what-ifs: the knobs the diagnosis points at, each applied to the model and rerun on the user's own
+workload, interleaved with the baseline in one run (this machine is noisy: only side-by-side ratios mean anything).
+
+Options (names used by `whatifs=`):
+    w8, w4            INT8 / INT4 RTN weights (the model's recipe in recipes/ when it has one), quantized on the fly
+    kv-int8, kv-int4  a quantized KV cache (conf/kv/)
+    lookup, self      speculative decoding with a prompt-lookup or a self (INT4 own-weights) draft (conf/spec/)
+A prefix cache is not built (issue 8): the report gives the repeated-prefix share it would skip and measures nothing.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from toolkit.engine.generate import generate
+from toolkit.errors import InputError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+ALL = ("w8", "w4", "kv-int8", "kv-int4", "lookup", "self")
+KNOB = {"baseline": "none", "w8": "weights", "w4": "weights", "kv-int8": "kv", "kv-int4": "kv", "lookup": "spec",
+        "self": "spec"}
+_WEIGHT_RECIPES = {"w8": ("rtn-w8", "rtn-int8", {}), "w4": ("rtn-w4g64", "rtn-int4", {"group_size": 64})}
+# KV what-ifs are worth running when the cache is at least this share of a decode step's bytes
+KV_SHARE_WORTH_IT = 0.1
+
+
+@dataclass
+class Option:
+    name: str
+    knob: str
+    model: torch.nn.Module
+    kv: object = None
+    spec: object = None  # a conf/spec node, or None
+    draft: object = None
+    apply: str = ""  # the command (or overrides) that applies this option for real
+    recipe: dict | None = None  # the weight recipe applied (weights options)
+    timings: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+
+
+def choose(requested, dominant: str, kv_share_of_decode: float) -> list[str]:
+    """`whatifs=auto`: weights always (they cut the bytes decode streams and the matmul work prefill does), KV when
+    the cache is a real share of decode bytes, speculative drafts only for a decode-dominated workload (they do not
+    touch TTFT). `all`, `none`, or a list of names choose explicitly."""
+    if requested in (None, "auto"):
+        names = ["w8", "w4"]
+        if kv_share_of_decode >= KV_SHARE_WORTH_IT:
+            names += ["kv-int8", "kv-int4"]
+        if dominant == "decode":
+            names += ["lookup", "self"]
+        return names
+    if requested == "all":
+        return list(ALL)
+    if requested in ("none", "", []):
+        return []
+    names = [requested] if isinstance(requested, str) else list(requested)
+    unknown = [n for n in names if n not in ALL]
+    if unknown:
+        raise InputError(f"unknown what-if(s) {', '.join(map(str, unknown))}",
+                         f"use whatifs=auto, all, none or a list of: {', '.join(ALL)}")
+    return names
+
+
+def weight_recipe(option: str, model_name: str):
+    """(QuantRecipe, how to apply it on the command line) for w8/w4: the model's own recipe file when recipes/ has
+    one, else the generic conf/quantize/ recipe."""
+    from toolkit.quant.model_quant import QuantRecipe
+
+    recipe_name, generic, overrides = _WEIGHT_RECIPES[option]
+    own = RECIPES_DIR / str(model_name) / f"{recipe_name}.yaml"
+    if own.is_file():
+        node = OmegaConf.to_container(OmegaConf.load(own))["quantize"]
+        apply = f"specquant quantize recipe={model_name}/{recipe_name} output=DIR"
+    else:
+        node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "quantize" / f"{generic}.yaml"))
+        node.update(overrides)
+        extra = "".join(f" quantize.{k}={v}" for k, v in overrides.items())
+        apply = f"specquant quantize model={model_name} quantize={generic}{extra} output=DIR"
+    return QuantRecipe(**node), apply
+
+
+def quantized_copy(model_name: str, recipe, engine_cfg):
+    """A fresh copy of the model with its Linear weights quantized by `recipe` (RTN: seconds), prepared for the
+    engine exactly as a checkpoint written by `specquant quantize` and loaded with model=DIR would be."""
+    from toolkit.engine.setup import prepare_engine_model
+    from toolkit.models import load_model
+    from toolkit.quant.model_quant import quantize_model, swap_quantized_modules
+    from toolkit.quant.qlinear import QuantLinear
+
+    model = load_model(model_name, dtype=torch.float32).model
+    qsd = quantize_model(model, recipe, progress=False)
+    swap_quantized_modules(model, qsd, QuantLinear.from_quantized)
+    prepare_engine_model(model, engine_cfg)
+    return model
+
+
+def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, spec_cfg, tokenizer,
+                  quantized_input: bool) -> tuple[list[Option], list[str]]:
+    """The baseline (the user's own settings) and each named option; returns them and notes on options skipped."""
+    from toolkit.spec.build import build_draft
+
+    notes = []
+    baseline = Option("baseline", "none", base, kv_cfg, spec_cfg, apply="(as you ran it)")
+    options = [baseline]
+    for name in names:
+        knob = KNOB[name]
+        if knob == "weights":
+            if quantized_input:
+                notes.append(f"{name}: skipped, model={model_name} is already quantized")
+                continue
+            recipe, apply = weight_recipe(name, model_name)
+            options.append(Option(name, knob, quantized_copy(model_name, recipe, engine_cfg), kv_cfg, spec_cfg,
+                                  apply=apply, recipe=recipe.to_dict()))
+        elif knob == "kv":
+            kind = name.removeprefix("kv-")
+            if kv_cfg is not None and kv_cfg.get("kind") == kind:
+                notes.append(f"{name}: skipped, the baseline already runs kv={kind}")
+                continue
+            options.append(Option(name, knob, base, OmegaConf.load(CONF_DIR / "kv" / f"{kind}.yaml"), spec_cfg,
+                                  apply=f"kv={kind}"))
+        else:
+            if spec_cfg is not None and spec_cfg.get("kind") == name:
+                notes.append(f"{name}: skipped, the baseline already runs spec={name}")
+                continue
+            node = OmegaConf.load(CONF_DIR / "spec" / f"{name}.yaml")
+            options.append(Option(name, knob, base, kv_cfg, node, apply=f"spec={name}"))
+    for option in options:
+        if option.spec is not None and option.spec.get("kind", "none") != "none":
+            option.draft = build_draft(option.spec, option.model, tokenizer, engine_cfg=engine_cfg)
+    return options, notes
+
+
+def run_once(option: Option, tokenizer, ids: list[int], new_tokens: int):
+    """One request of the workload (exactly `new_tokens` tokens: end-of-sequence ignored, so every option does the
+    same work); returns (token ids, timing)."""
+    if option.draft is not None:
+        from toolkit.spec.build import draft_length
+        from toolkit.spec.decode import speculative_generate
+
+        out = speculative_generate(option.model, tokenizer, [ids], new_tokens, option.draft,
+                                   draft_length(option.spec), stop_tokens=set(), kv=option.kv)
+    else:
+        out = generate(option.model, tokenizer, [ids], new_tokens, stop_tokens=set(), kv=option.kv)
+    return out.sequences[0].token_ids, out.timing
+
+
+def measure(options: list[Option], tokenizer, encoded: list[list[int]], new_tokens: int, warmup: int = 1,
+            repeats: int = 1, progress=None) -> None:
+    """Every option on every prompt, rotating which option goes first, after `warmup` untimed short runs each."""
+    for option in options:
+        for _ in range(warmup):
+            run_once(option, tokenizer, encoded[0][:64], min(new_tokens, 4))
+    for rep in range(repeats):
+        for i, ids in enumerate(encoded):
+            shift = (rep * len(encoded) + i) % len(options)
+            for option in options[shift:] + options[:shift]:
+                tokens, timing = run_once(option, tokenizer, ids, new_tokens)
+                option.timings.append(timing)
+                if rep == 0:
+                    option.outputs.append(tokens)
+                if progress:
+                    progress(1)
+
+
+def token_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
+    same = total = 0
+    for a, b in zip(ours, reference):
+        total += max(len(a), len(b))
+        same += sum(x == y for x, y in zip(a, b))
+    return same / total if total else float("nan")
