@@ -21,6 +21,7 @@ COMMANDS = {
     "data": "list | fetch | show offline text datasets and their splits",
     "demo": "fetch the default model, generate, benchmark, and print what was measured",
     "serve": "an OpenAI-compatible HTTP server with streaming and continuous batching",
+    "diagnose": "the latency doctor: TTFT vs ITL, compute or memory bound, KV pressure, measured what-ifs",
 }
 
 USAGE = """usage: specquant COMMAND [key=value ...] [-m key=a,b ...] [--help]
