@@ -257,3 +257,24 @@ def test_prepare_model_keeps_tied_weights_tied(tiny_llama_dir):
     assert model.model.norm.weight.dtype == torch.float32
     with torch.inference_mode():
         assert model.get_input_embeddings()(torch.tensor([[1, 2]])).dtype == torch.float32
+
+
+def test_wide_copy_gives_the_same_logits_and_is_not_counted_as_weight_bytes(tiny_llama_dir):
+    """The fp32 copy kept for multi-row products is the half weight upcast exactly: prefill logits are bitwise those
+    of upcasting on every call, and the bytes a decode step reads do not include it."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.quant.qlinear import weight_bytes
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    plain = prepare_model(copy.deepcopy(ref), Precision(torch.float32, torch.float16), wide_copy=False)
+    wide = prepare_model(copy.deepcopy(ref), Precision(torch.float32, torch.float16), wide_copy=True)
+    copies = [m for m in wide.modules() if getattr(m, "wide_weight", None) is not None]
+    assert copies and all(m.wide_weight.dtype == torch.float32 for m in copies)
+    assert not any(getattr(m, "wide_weight", None) is not None for m in plain.modules())
+    ids = torch.randint(0, ref.config.vocab_size, (2, 9))
+    with torch.inference_mode():
+        assert torch.equal(plain(ids).logits, wide(ids).logits)
+    assert weight_bytes(wide) == weight_bytes(plain)

@@ -83,7 +83,13 @@ class HalfStorageLinear(torch.nn.Linear):
 
     fp16's range ends at 65504. Checking every product for overflow costs more than a fifth of a decode step, so
     the engine checks the logits once per forward instead (an overflow anywhere turns them inf/nan) and reruns that
-    forward under `exact_linears`, which takes the wide path everywhere."""
+    forward under `exact_linears`, which takes the wide path everywhere.
+
+    The wide path upcasts the weight on every call unless `prepare_model` gave the layer a `wide_weight` (an exact
+    fp32 copy of the half weight, so results are identical either way). Upcasting costs little against a 128-row
+    prefill but dominates a few-row product: a speculative verify of 5-9 rows, or the output head (49152 x 576 on
+    SmolLM2) under any multi-row pass. The copy is a buffer, not a parameter: decode never reads it, so it is not
+    counted in the bytes a decode step moves."""
 
     exact = False  # set on the class by exact_linears()
 
@@ -93,7 +99,9 @@ class HalfStorageLinear(torch.nn.Linear):
             return y if self.bias is None else y + self.bias
         compute = torch.float32 if x.dtype != torch.float32 and not _native_matmul(x.dtype, x.device) else x.dtype
         bias = None if self.bias is None else self.bias.to(compute)
-        return F.linear(x.to(compute), self.weight.to(compute), bias).to(x.dtype)
+        wide = getattr(self, "wide_weight", None)
+        weight = wide if wide is not None and wide.dtype == compute else self.weight.to(compute)
+        return F.linear(x.to(compute), weight, bias).to(x.dtype)
 
 
 @contextlib.contextmanager
@@ -118,8 +126,19 @@ def _cast_output(dtype):
     return hook
 
 
-def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype) -> torch.nn.Module:
-    """Cast `model` in place for inference at `precision` (a bare dtype means that dtype for both); returns it."""
+def wide_copy_fits(model: torch.nn.Module, share: float = 0.25) -> bool:
+    """True when fp32 copies of the model's Linear weights would take under `share` of the available memory."""
+    import psutil
+
+    extra = sum(m.weight.numel() * 4 for m in model.modules() if type(m) is torch.nn.Linear)
+    return extra < share * psutil.virtual_memory().available
+
+
+def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype,
+                  wide_copy: bool | str = False) -> torch.nn.Module:
+    """Cast `model` in place for inference at `precision` (a bare dtype means that dtype for both); returns it.
+    `wide_copy` (True, False or "auto" = when it fits in a quarter of the free memory): half-stored Linear layers also
+    keep an fp32 copy of their weight for multi-row products (see HalfStorageLinear)."""
     if isinstance(precision, torch.dtype):
         precision = Precision(precision, precision)
     # Parameters only: buffers keep their dtype (rotary frequencies stay fp32; quantized layers keep the scale
@@ -130,10 +149,17 @@ def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype) ->
     device = next(model.parameters()).device
     swap = precision.weights != precision.compute or not _native_matmul(precision.weights, device)
     if swap:
+        # the dtype the wide path computes in (see HalfStorageLinear.forward); GPUs keep their memory
+        wide = None if device.type != "cpu" else (
+            precision.compute if _native_matmul(precision.compute, device) else torch.float32)
+        if wide_copy == "auto":
+            wide_copy = wide_copy_fits(model)
         for module in model.modules():
             if type(module) is torch.nn.Linear:
                 module.weight.data = module.weight.data.to(precision.weights)
                 module.__class__ = HalfStorageLinear
+                if wide_copy and wide is not None:
+                    module.register_buffer("wide_weight", module.weight.data.to(wide), persistent=False)
     embedding = model.get_input_embeddings()
     if embedding.weight.dtype != precision.compute:  # tied to a half-precision output head
         embedding.register_forward_hook(_cast_output(precision.compute))
