@@ -77,7 +77,7 @@ def test_every_whatif_was_measured_and_the_recommendation_names_one(report):
     rows = result["whatifs"]["rows"]
     assert set(rows) == {"baseline", *whatifs.ALL} == set(result["whatifs"]["measured"])
     assert sorted(result["whatifs"]["ranking"]) == sorted(rows)
-    for name, row in rows.items():
+    for row in rows.values():
         assert row["runs"] == 2 and row["kl"] >= 0
     # greedy speculative decoding reproduces the baseline's tokens exactly
     assert rows["lookup"]["token_agreement"] == 1.0 and rows["self"]["token_agreement"] == 1.0

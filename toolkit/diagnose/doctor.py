@@ -90,8 +90,8 @@ def diagnose(cfg, loaded, progress=None) -> dict:
     on_dir = command.replace(f"model={cfg.model.name} ", "model=DIR ", 1)
     apply = {o.name: (f"{command} {o.apply}" if o.knob in ("kv", "spec") else f"{o.apply} && {on_dir}"
                       if o.knob == "weights" else command) for o in options}
-    for name in rows:
-        rows[name]["command"] = apply[name]
+    for name, row in rows.items():
+        row["command"] = apply[name]
     recommendation = recommend(rows, path, cfg.kl_budget, cfg.min_gain, apply, command)
     return {
         "model": loaded.name, "dtype": loaded.precision.name, "prompt_tokens": mean_prompt, "new_tokens": new_tokens,
