@@ -27,6 +27,18 @@ def load_reference(name: str, loaded, kind: str = "fp"):
     if is_quantized_checkpoint(name):
         source = read_manifest(name)["source"]
         return load_model(source, dtype=torch.float32).model.eval(), f"{source} fp32 (the checkpoint's float source)"
+    from toolkit.quant.formats import export_source, is_foreign_quantized
+
+    if is_foreign_quantized(name):  # a GPTQ/AWQ-format directory: its float source, if our export recorded one
+        source = export_source(name)
+        if source is None:
+            from toolkit.errors import InputError
+
+            raise InputError(f"{name} is a GPTQ/AWQ-format checkpoint that does not say which float model it came "
+                             "from, so there is no reference to compare against",
+                             "evaluate the float model it came from separately, or export it with specquant export "
+                             "(which records the source)")
+        return load_model(source, dtype=torch.float32).model.eval(), f"{source} fp32 (the export's float source)"
     precision = loaded.precision
     if precision.compute == torch.float32 and precision.weights == torch.float32 and kind == "fp":
         return None, f"{loaded.name} fp32 itself (fp32 weights and activations, fp KV cache)"
