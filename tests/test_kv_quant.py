@@ -288,7 +288,7 @@ def test_logit_error_grows_as_bits_shrink(llama):
 def test_int8_greedy_generation_agrees_with_fp_smollm2(smollm2):
     from toolkit.data import load_text
 
-    text = "\n\n".join(load_text("austen", "evaluation")["text"])[:6000]
+    text = "\n\n".join(load_text("pydoc", "evaluation")["text"])[:6000]
     ids = smollm2.tokenizer(text).input_ids[:400]
     fp = generate(smollm2.model, smollm2.tokenizer, [ids], 64, stop_tokens=set()).sequences[0].token_ids
     q = generate(smollm2.model, smollm2.tokenizer, [ids], 64, stop_tokens=set(),
