@@ -206,8 +206,16 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
         if batch > 1:  # finished rows keep stepping (the batch moves together) on pad tokens, as generate() does
             tokens = tokens.masked_fill(torch.tensor([bool(f) for f in finish], device=device), pad_id)
 
+    sequences = finish_sequences(tokenizer, encoded, generated, finish, detok, on_token)
+    return GenerationResult(sequences, watch.timing(width, batch), kv_bytes=cache.nbytes)
+
+
+def finish_sequences(tokenizer, encoded: list[list[int]], generated: list[list[int]], finish: list[str],
+                     detok: list[_Detokenizer] | None, on_token: TokenCallback | None) -> list[SequenceOutput]:
+    """The outputs of a finished generation (plain or speculative): each row's text, with any text the detokenizer
+    held back flushed to `on_token`."""
     sequences = []
-    for row in range(batch):
+    for row in range(len(encoded)):
         if detok is None:
             text = tokenizer.decode(generated[row], skip_special_tokens=True)
         else:
@@ -216,4 +224,4 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
                 on_token(row, None, rest)
             text = detok[row].text
         sequences.append(SequenceOutput(len(encoded[row]), generated[row], text, finish[row] or "length"))
-    return GenerationResult(sequences, watch.timing(width, batch), kv_bytes=cache.nbytes)
+    return sequences

@@ -21,10 +21,10 @@ import torch
 
 from toolkit.engine.generate import (
     GenerationResult,
-    SequenceOutput,
     TokenCallback,
     _Detokenizer,
     encode_prompts,
+    finish_sequences,
     stop_token_ids,
     validate_request,
 )
@@ -216,16 +216,7 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
 
     stats.total_s = time.perf_counter() - start
     stats.new_tokens = sum(len(g) for g in generated)
-    sequences = []
-    for row in range(batch):
-        if detok is None:
-            text = tokenizer.decode(generated[row], skip_special_tokens=True)
-        else:
-            rest = detok[row].push(generated[row], final=True)
-            if rest and on_token:
-                on_token(row, None, rest)
-            text = detok[row].text
-        sequences.append(SequenceOutput(len(encoded[row]), generated[row], text, finish[row] or "length"))
+    sequences = finish_sequences(tokenizer, encoded, generated, finish, detok, on_token)
     return SpecResult(sequences=sequences, timing=_timing(start, marks, width, batch),
                       kv_bytes=getattr(target.cache, "nbytes", 0), stats=stats)
 
