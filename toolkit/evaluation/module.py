@@ -19,3 +19,12 @@ def compute(task: str, texts: list[str], model: str, kv: str = "fp", engine: dic
     out = run_tasks(loaded.model, loaded.tokenizer, list(texts), [task], Settings(**settings), reference, kv, data,
                     log=lambda line: None)
     return {**out["figures"], "protocol": out["protocol"][task], "reference": reference_name}
+
+
+def metric_info(description: str):
+    """The `evaluate.MetricInfo` every module in eval/ returns: texts in, the task's figures out."""
+    import datasets
+    import evaluate
+
+    return evaluate.MetricInfo(description=description, citation="", inputs_description=DESCRIPTION,
+                               features=datasets.Features({"predictions": datasets.Value("string")}))
