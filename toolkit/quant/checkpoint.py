@@ -247,7 +247,7 @@ def load_quantized(path: str | Path, dtype: torch.dtype | None = None) -> tuple[
     try:
         tensors = load_file(path / TENSORS)
         model = _rebuild_model(path, manifest, dtype)
-        tokenizer = _tokenizer(path)
+        tokenizer = tokenizer_in(path)
     except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise ModelError(f"cannot load quantized checkpoint {path}: {type(exc).__name__}: {exc}", fix) from exc
 
@@ -334,7 +334,8 @@ def _drop_weight(model: nn.Module, name: str) -> None:
     linear.weight = nn.Parameter(torch.empty_like(linear.weight, device="meta"), requires_grad=False)
 
 
-def _tokenizer(path: Path) -> Any:
+def tokenizer_in(path: Path) -> Any:
+    """The tokenizer saved in checkpoint directory `path` (None if there is none), set up for left-padded batches."""
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer

@@ -22,6 +22,7 @@ from torch import nn
 from toolkit.errors import ModelError
 from toolkit.fileio import checksum_files, file_problem, write_json_atomic
 from toolkit.models.atomic_dir import remove_abandoned_temps, write_dir_atomic
+from toolkit.quant.checkpoint import tokenizer_in as load_tokenizer
 from toolkit.quant.model_quant import QuantizedStateDict
 
 EXPORT_MANIFEST = "specquant_export.json"
@@ -267,18 +268,6 @@ def _has_module(model: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def load_tokenizer(path: Path) -> Any:
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"  # batched generation appends on the right
-    return tokenizer
 
 
 def layer_names(tensors: dict[str, torch.Tensor], suffix: str) -> list[str]:
