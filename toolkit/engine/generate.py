@@ -116,7 +116,7 @@ def stop_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-class _Detokenizer:
+class Detokenizer:
     """Incremental text for one sequence. Emits only text that can no longer change: never half a UTF-8
     character, and never the last len(longest stop string) - 1 characters, which might begin a stop string.
     `text` is cut before the first stop string, and `stopped` says one was found."""
@@ -171,7 +171,7 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
     padded = bool((mask == 0).any())
     cache = make_kv_cache(model, width + new_tokens, kv)
     generator = sampling.generator(device)
-    detok = [_Detokenizer(tokenizer, stop_strings) for _ in range(batch)] if (on_token or stop_strings) else None
+    detok = [Detokenizer(tokenizer, stop_strings) for _ in range(batch)] if (on_token or stop_strings) else None
 
     generated: list[list[int]] = [[] for _ in range(batch)]
     finish = [""] * batch
@@ -211,7 +211,7 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
 
 
 def finish_sequences(tokenizer, encoded: list[list[int]], generated: list[list[int]], finish: list[str],
-                     detok: list[_Detokenizer] | None, on_token: TokenCallback | None) -> list[SequenceOutput]:
+                     detok: list[Detokenizer] | None, on_token: TokenCallback | None) -> list[SequenceOutput]:
     """The outputs of a finished generation (plain or speculative): each row's text, with any text the detokenizer
     held back flushed to `on_token`."""
     sequences = []

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.generate import _Detokenizer, prefill
+from toolkit.engine.generate import Detokenizer, prefill
 from toolkit.engine.kv_cache import ContiguousKVCache
 from toolkit.engine.precision import exact_linears, may_overflow
 from toolkit.engine.sampling import sample
@@ -157,7 +157,7 @@ class Scheduler:
         alone = ContiguousKVCache.for_model(self.model, ids.shape[1])
         logits = prefill(self.model, ids, None, positions, alone)
         self.metrics.prompt_tokens.inc(ids.shape[1])
-        seq.detok = _Detokenizer(self.tokenizer, seq.stop_strings)
+        seq.detok = Detokenizer(self.tokenizer, seq.stop_strings)
         self.cache.add_row(alone)
         self.running.append(seq)
         self._accept(seq, self._sample(seq, logits[0]))

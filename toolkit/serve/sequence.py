@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolkit.engine.generate import _Detokenizer
+from toolkit.engine.generate import Detokenizer
 from toolkit.engine.sampling import SamplingParams
 
 _ids = itertools.count(1)
@@ -37,7 +37,7 @@ class Sequence:
     def __post_init__(self):
         # a per-request generator: a seeded request samples the same tokens whatever else shares its batch
         self.generator: torch.Generator | None = self.sampling.generator()
-        self.detok: _Detokenizer | None = None
+        self.detok: Detokenizer | None = None
 
     @property
     def reserved_tokens(self) -> int:

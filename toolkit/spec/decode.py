@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from toolkit.engine.generate import (
+    Detokenizer,
     GenerationResult,
     TokenCallback,
-    _Detokenizer,
     encode_prompts,
     finish_sequences,
     stop_token_ids,
@@ -132,7 +132,7 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
     target = RaggedBatch(model, make_kv_cache(model, slots, kv), batch, pad_id,
                          getattr(model, "specquant_decode_forward", None))
     draft.reset(batch, slots, pad_id)
-    detok = [_Detokenizer(tokenizer, stop_strings) for _ in range(batch)] if (on_token or stop_strings) else None
+    detok = [Detokenizer(tokenizer, stop_strings) for _ in range(batch)] if (on_token or stop_strings) else None
     stats = SpecStats()
     generated: list[list[int]] = [[] for _ in range(batch)]
     finish = [""] * batch
