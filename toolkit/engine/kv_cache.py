@@ -79,17 +79,9 @@ class ContiguousKVLayer(CacheLayerMixin):
         return per_token * self.length
 
 
-class ContiguousKVCache(Cache):
-    """A full-precision KV cache for `num_layers` layers and up to `max_length` tokens per sequence."""
-
-    def __init__(self, num_layers: int, max_length: int):
-        super().__init__(layers=[ContiguousKVLayer(max_length) for _ in range(num_layers)])
-        self.max_length = max_length
-
-    @classmethod
-    def for_model(cls, model, max_length: int) -> "ContiguousKVCache":
-        config = model.config.get_text_config(decoder=True)
-        return cls(config.num_hidden_layers, max_length)
+class LayeredKVCache(Cache):
+    """What every croppable cache of ours adds to transformers' `Cache`, over layers that each have `length`,
+    `crop` and `nbytes`: the same three for the whole cache."""
 
     @property
     def length(self) -> int:
@@ -102,3 +94,16 @@ class ContiguousKVCache(Cache):
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+
+class ContiguousKVCache(LayeredKVCache):
+    """A full-precision KV cache for `num_layers` layers and up to `max_length` tokens per sequence."""
+
+    def __init__(self, num_layers: int, max_length: int):
+        super().__init__(layers=[ContiguousKVLayer(max_length) for _ in range(num_layers)])
+        self.max_length = max_length
+
+    @classmethod
+    def for_model(cls, model, max_length: int) -> "ContiguousKVCache":
+        config = model.config.get_text_config(decoder=True)
+        return cls(config.num_hidden_layers, max_length)

@@ -23,8 +23,9 @@ but it holds a float copy of the whole cache, which defeats the purpose; it exis
 """
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
+from toolkit.engine.kv_cache import LayeredKVCache
 from toolkit.errors import InputError
 from toolkit.kv.config import KVQuantConfig
 from toolkit.kv.quantize import (
@@ -248,7 +249,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         return total
 
 
-class QuantizedKVCache(Cache):
+class QuantizedKVCache(LayeredKVCache):
     """A quantized KV cache for `num_layers` layers and up to `max_length` tokens per sequence (see the module
     docstring); the engine's interface: transformers' `Cache` plus `crop`, `length`, `nbytes`."""
 
@@ -261,15 +262,3 @@ class QuantizedKVCache(Cache):
     def for_model(cls, model, max_length: int, cfg: KVQuantConfig) -> "QuantizedKVCache":
         config = model.config.get_text_config(decoder=True)
         return cls(config.num_hidden_layers, max_length, cfg)
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
-    def crop(self, length: int) -> None:
-        for layer in self.layers:
-            layer.crop(length)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
