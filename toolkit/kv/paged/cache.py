@@ -36,6 +36,7 @@ class PagedSequence:
     tokens: list[int] = field(default_factory=list)  # token ids written, in order (len = length)
     key_ids: list[int] = field(default_factory=list)  # prefix key id after each registered full block
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was admitted
+    sealed: int = 0  # leading blocks the storage has sealed (quantized storages; see storage.py)
 
     @property
     def length(self) -> int:
@@ -125,6 +126,7 @@ class PagedKVCache(Cache):
             seq.tokens = list(prompt_ids[:len(blocks) * self.block_size])
             seq.key_ids = [self.pool.key_id[b] for b in blocks]
             seq.cached_tokens = seq.length
+            seq.sealed = sum(1 for b in blocks if self.storage.is_sealed(b))
             assert not blocks or seq.key_ids[-1] == parent
         return seq
 
@@ -132,12 +134,15 @@ class PagedKVCache(Cache):
         """Give back every block of `seq` (it finished or was cancelled)."""
         for block in seq.blocks:
             self.pool.release(block)
-        seq.blocks, seq.tokens, seq.key_ids = [], [], []
+        seq.blocks, seq.tokens, seq.key_ids, seq.sealed = [], [], [], 0
 
     def crop_sequence(self, seq: PagedSequence, length: int) -> None:
         """Roll `seq` back to its first `length` tokens; whole blocks past them go back to the pool."""
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot crop a sequence of {seq.length} tokens to {length}")
+        if length < seq.sealed * self.block_size:
+            raise ValueError(f"cannot crop to {length} tokens: the first {seq.sealed * self.block_size} are sealed "
+                             f"(quantized); a rollback may reach back at most the storage's residual_tokens")
         keep = self.pool.blocks_for(length)
         for block in seq.blocks[keep:]:
             self.pool.release(block)
@@ -191,6 +196,11 @@ class PagedKVCache(Cache):
             for j in range(len(seq.key_ids), seq.length // bs):
                 parent = seq.key_ids[-1] if seq.key_ids else ROOT
                 seq.key_ids.append(self.pool.register(seq.blocks[j], parent, tuple(seq.tokens[j * bs:(j + 1) * bs])))
+            residual = self.storage.residual_tokens
+            if residual is not None:  # seal the full blocks that fell `residual` tokens behind the end
+                for j in range(seq.sealed, max(0, seq.length - residual) // bs):
+                    self.storage.seal_block(seq.blocks[j])
+                seq.sealed = max(seq.sealed, max(0, seq.length - residual) // bs)
         self.batch, self._pending = [], []
 
     def _make_writable(self, seq: PagedSequence, start: int, end: int) -> None:
@@ -199,7 +209,7 @@ class PagedKVCache(Cache):
         if first < len(seq.blocks):
             block = seq.blocks[first]
             if pool.ref_count[block] > 1:  # shared: copy before writing (the others keep the original)
-                fresh = pool.allocate()
+                fresh = self._allocate()
                 self.storage.copy_block(block, fresh)
                 pool.release(block)
                 seq.blocks[first] = fresh
@@ -207,7 +217,12 @@ class PagedKVCache(Cache):
             else:  # ours alone, but its key says it holds tokens we are about to overwrite
                 pool.unregister(block)
         while len(seq.blocks) * bs < end:
-            seq.blocks.append(pool.allocate())
+            seq.blocks.append(self._allocate())
+
+    def _allocate(self) -> int:
+        block = self.pool.allocate()
+        self.storage.reset_block(block)  # whatever it held (an evicted prefix) is gone
+        return block
 
     def _masks(self, visible: torch.Tensor, positions: torch.Tensor, cols: torch.Tensor):
         masks = {"full_attention": self._as_mask(visible)}

@@ -5,6 +5,14 @@ Slots are token-major within a head so that reading a batch through its block ta
 dim 1 per tensor, whose result views as [heads, rows, width, head_dim] and transposes (no copy) into the
 [rows, heads, width, head_dim] attention takes. The buffers start zeroed: gathered padding columns are masked, but
 still enter attention's matmul, where 0 x NaN from uninitialised memory would poison a row.
+
+The interface the cache uses (a quantized storage implements the same):
+  write(layer, slots, keys, values), gather(layer, index) -> (keys, values) in the activation dtype,
+  copy_block(src, dst) (copy-on-write; copies whatever state src is in), nbytes, bytes_per_block(...),
+  residual_tokens: None if blocks are never sealed; else a full block is sealed once the sequence holding it is this
+    many tokens past its end (`seal_block(block)`, idempotent: a block shared by several sequences may be sealed by
+    any of them, with the same result), `is_sealed(block)`, and `reset_block(block)` when the pool hands a block out
+    anew (it starts unsealed and empty).
 """
 
 import torch
@@ -14,6 +22,7 @@ class FPBlockStorage:
     """Full-precision blocks (the model's activation dtype)."""
 
     kind = "fp"
+    residual_tokens = None  # fp blocks are never sealed
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device="cpu"):
@@ -46,6 +55,15 @@ class FPBlockStorage:
         for tensors in (self.keys, self.values):
             for t in tensors:
                 t[:, dst * bs:(dst + 1) * bs] = t[:, src * bs:(src + 1) * bs]
+
+    def reset_block(self, block: int) -> None:
+        pass
+
+    def is_sealed(self, block: int) -> bool:
+        return False
+
+    def seal_block(self, block: int) -> None:
+        pass
 
     @property
     def nbytes(self) -> int:
