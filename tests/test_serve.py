@@ -2,9 +2,11 @@
 under test) against servers started here on loopback, over a tiny random llama in fp32.
 
 The central claim: continuous batching changes nothing about what a request gets. Concurrent requests that join and
-leave the running batch at different steps (rows of different lengths) produce exactly the greedy tokens they get when
-served one at a time, and exactly what the engine's own generate() gives (so the slot KV cache is checked against the
-engine's contiguous cache, not against itself)."""
+leave the running batch at different steps (sequences of different lengths in one paged KV pool) produce exactly the
+greedy tokens they get when served one at a time, and exactly what the engine's own generate() gives (so the paged
+cache is checked against the engine's contiguous cache, not against itself); so do requests that reuse a cached
+prompt prefix, and requests preempted (and recomputed) when a tiny pool runs out. Every block goes back to the pool
+when its request ends, cancelled ones included."""
 
 import json
 import shutil
@@ -91,9 +93,20 @@ def _wait_idle(server, timeout=30.0) -> dict:
     while time.monotonic() < deadline:
         health = httpx.get(server.url + "/health").json()
         if health["running"] == 0 and health["waiting"] == 0:
+            # the metrics are published at the end of the scheduler's turn, just after /health can read idle
+            while _metric(server, "specquant_kv_blocks_used") and time.monotonic() < deadline:
+                time.sleep(0.02)
             return health
         time.sleep(0.05)
     raise AssertionError(f"server still busy after {timeout} s: {health}")
+
+
+def _assert_pool_empty(scheduler) -> None:
+    """No live sequence holds a block: every reference count is back to zero (blocks are free or cached)."""
+    pool = scheduler.cache.pool
+    assert pool.used == 0 and all(count == 0 for count in pool.ref_count)
+    assert pool.available == pool.num_blocks
+    pool.check()
 
 
 def test_completion_equals_engine_generate(client, loaded):
@@ -204,6 +217,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     assert _metric(server, "specquant_kv_bytes_in_use") == 0
     assert _metric(server, "specquant_queue_length") == 0
     assert _metric(server, "specquant_batch_size") == 0
+    _assert_pool_empty(server.state.scheduler)
 
 
 BAD = [  # (body or raw bytes, status, param, code)
@@ -300,21 +314,21 @@ def test_api_key_queue_limit_and_kv_budget(loaded):
         assert ok.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0).usage.completion_tokens
 
 
-def test_scheduler_matches_generate_on_both_architectures(tiny_model):
-    """The slot cache's per-row masks, sliding windows (gemma3: window 8 < these prompts) included, without HTTP."""
+def _run_scheduler(model, tokenizer, limits, prompts):
+    """Submit every (prompt, max_tokens) at once to a Scheduler (no HTTP); return it (stopped) and, per request, its
+    final event and the text its token events streamed."""
     from toolkit.engine.generate import stop_token_ids
     from toolkit.serve.metrics import ServerMetrics
-    from toolkit.serve.scheduler import Limits, Scheduler
+    from toolkit.serve.scheduler import Scheduler
     from toolkit.serve.sequence import Sequence
 
-    model, tokenizer = tiny_model
-    scheduler = Scheduler(model, tokenizer, stop_token_ids(model, tokenizer), Limits(4, 16, 4096, 256),
-                          ServerMetrics())
-    done, finished = {}, threading.Event()
-    prompts = list(zip(PROMPTS[:6], MAX_TOKENS[:6]))
+    scheduler = Scheduler(model, tokenizer, stop_token_ids(model, tokenizer), limits, ServerMetrics())
+    done, streamed, finished = {}, {i: "" for i in range(len(prompts))}, threading.Event()
 
     def emitter(i):
         def emit(event):
+            if event["type"] == "token":
+                streamed[i] += event["text"]
             if event["type"] in ("done", "error"):
                 done[i] = event
                 if len(done) == len(prompts):
@@ -328,6 +342,117 @@ def test_scheduler_matches_generate_on_both_architectures(tiny_model):
         assert finished.wait(120)
     finally:
         scheduler.stop()
-    assert scheduler.peak_batch > 1
+    return scheduler, [done[i] for i in range(len(prompts))], [streamed[i] for i in range(len(prompts))]
+
+
+def test_scheduler_matches_generate_on_both_architectures(tiny_model):
+    """Per-row masks over the paged pool, sliding windows (gemma3: window 8 < these prompts) included, no HTTP."""
+    from toolkit.serve.scheduler import Limits
+
+    model, tokenizer = tiny_model
+    prompts = list(zip(PROMPTS[:6], MAX_TOKENS[:6]))
+    scheduler, done, _ = _run_scheduler(model, tokenizer, Limits(4, 16, 4096, 256), prompts)
+    assert scheduler.peak_batch > 1 and scheduler.preemptions == 0
     expected = [generate(model, tokenizer, [p], n).sequences[0] for p, n in prompts]
-    assert [done[i]["token_ids"] for i in range(len(prompts))] == [s.token_ids for s in expected]
+    assert [d["token_ids"] for d in done] == [s.token_ids for s in expected]
+    _assert_pool_empty(scheduler)
+
+
+def test_preemption_in_a_tiny_pool_keeps_greedy_output(tiny_model):
+    """A pool of 20 blocks of 4 tokens: each request fits alone, four together do not. The newest is preempted,
+    recomputed from prompt + what it generated, and still gets the engine's tokens; its stream sends nothing twice."""
+    from toolkit.serve.scheduler import Limits
+
+    model, tokenizer = tiny_model
+    prompts = list(zip(PROMPTS[:6], MAX_TOKENS[:6]))
+    limits = Limits(max_batch=4, max_queue=16, max_kv_tokens=80, max_seq_len=256, block_size=4)
+    scheduler, done, streamed = _run_scheduler(model, tokenizer, limits, prompts)
+    assert scheduler.preemptions > 0, "the pool never ran out: the test lost its point"
+    expected = [generate(model, tokenizer, [p], n).sequences[0] for p, n in prompts]
+    assert [d["token_ids"] for d in done] == [s.token_ids for s in expected]
+    assert [d["text"] for d in done] == streamed == [s.text for s in expected]
+    assert [d["usage"]["prompt_tokens"] for d in done] == [len(tokenizer(p).input_ids) for p, _ in prompts]
+    _assert_pool_empty(scheduler)
+
+
+SYSTEM = ("You answer questions about Python. " + PROMPTS[4] + ". " + PROMPTS[2] + ". " + PROMPTS[8] + ".")
+QUESTIONS = ["What does yield do?", "How do I open a file?", "What is a lambda?", "Explain while loops.",
+             "What is a class?"]
+
+
+def test_prefix_cache_on_and_off_give_identical_output(loaded):
+    """Requests sharing a long system prompt: the prefix-caching server prefills the shared blocks once, and every
+    answer equals the one from a server without prefix caching and the engine's generate()."""
+    conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    answers, servers = {}, {}
+    for prefix_cache in (True, False):
+        with _start(loaded, max_batch=4, max_tokens=64, max_seq_len=512, block_size=8,
+                    prefix_cache=prefix_cache) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+            def ask(messages):
+                result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+                return result.choices[0].message.content
+
+            first = ask(conversations[0])  # fills the cache with the system prompt's blocks
+            with ThreadPoolExecutor(len(conversations)) as pool:  # then all of them share those blocks at once
+                answers[prefix_cache] = [first] + list(pool.map(ask, conversations))
+            _wait_idle(srv)
+            _assert_pool_empty(srv.state.scheduler)
+            servers[prefix_cache] = {name: _metric(srv, name) for name in (
+                "specquant_prefix_cache_hit_rate", "specquant_prefix_cache_hits_total",
+                "specquant_prefix_cache_queries_total", "specquant_prompt_tokens_total")}
+    assert answers[True] == answers[False]
+    ids = [loaded.tokenizer(loaded.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False).input_ids for m in conversations]
+    assert len(ids[0]) > 64  # several shared blocks of 8
+    assert answers[True] == [_engine_text(loaded, ids[0], 20)] + [_engine_text(loaded, i, 20) for i in ids]
+    cached, plain = servers[True], servers[False]
+    assert cached["specquant_prefix_cache_hit_rate"] > 0 and cached["specquant_prefix_cache_hits_total"] > 0
+    assert plain["specquant_prefix_cache_queries_total"] == 0 and plain["specquant_prefix_cache_hit_rate"] == 0
+    assert cached["specquant_prompt_tokens_total"] < plain["specquant_prompt_tokens_total"]  # less was prefilled
+
+
+def test_blocks_return_to_the_pool_after_a_burst_with_a_cancelled_stream(server, client, loaded):
+    scheduler = server.state.scheduler
+    cancelled = _metric(server, 'specquant_sequences_finished_total{reason="cancelled"}')
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0, "stream": True}
+
+    def abandon():
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for i, _ in enumerate(response.iter_lines()):
+                if i == 4:
+                    break  # the client goes away mid-stream
+
+    with ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
+        gone = pool.submit(abandon)
+        texts = list(pool.map(lambda args: _stream_text(client, *args), zip(PROMPTS, MAX_TOKENS)))
+        gone.result()
+    assert texts == [_engine_text(loaded, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    _wait_idle(server)
+    assert _metric(server, 'specquant_sequences_finished_total{reason="cancelled"}') == cancelled + 1
+    _assert_pool_empty(scheduler)
+    assert _metric(server, "specquant_kv_blocks_used") == 0 and _metric(server, "specquant_kv_tokens") == 0
+    assert _metric(server, "specquant_kv_blocks_free") == _metric(server, "specquant_kv_blocks_total") \
+        == scheduler.cache.pool.num_blocks
+    assert _metric(server, "specquant_kv_bytes_in_use") == 0
+
+
+def test_preemption_over_http_streams_each_token_once(loaded):
+    """Streams through a server whose pool holds two of these requests at most: some are preempted mid-stream, and
+    each client still reads exactly the engine's text (nothing re-sent after the recompute)."""
+    with _start(loaded, max_batch=4, max_tokens=64, max_seq_len=256, max_kv_tokens=96, block_size=4) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        jobs = [(PROMPTS[i], 40) for i in (0, 2, 5, 8)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            texts = list(pool.map(lambda args: _stream_text(client, *args), jobs))
+        _wait_idle(srv)
+        assert _metric(srv, "specquant_preemptions_total") > 0
+        _assert_pool_empty(srv.state.scheduler)
+        # one request needing more blocks than the whole pool is refused up front, with the pool's size
+        refused = httpx.post(srv.url + "/v1/completions", timeout=30,
+                             json={"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 60})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+        assert "96 tokens" in refused.json()["error"]["message"]
+    assert texts == [_engine_text(loaded, p, n) for p, n in jobs]

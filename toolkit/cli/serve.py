@@ -14,19 +14,23 @@ def run(cfg) -> None:
 
     kind = kv_kind(cfg.kv)
     if kind != "fp":
-        # the slot cache rows are full-precision buffers; a quantized row layout is not built yet
-        raise InputError(f"kv={kind} is not supported by the server yet (its batched KV cache is full precision)",
+        # the paged pool's quantized block storage is not wired into the server yet
+        raise InputError(f"kv={kind} is not supported by the server yet (its KV block pool is full precision)",
                          "use kv=fp with specquant serve")
     loaded = load_engine_model(cfg.model.name, cfg.engine)
     settings = ServeSettings(host=cfg.host, port=int(cfg.port), api_key=cfg.api_key, model_id=cfg.served_name,
                              max_batch=cfg.max_batch, max_queue=cfg.max_queue, max_kv_tokens=cfg.max_kv_tokens,
-                             max_seq_len=cfg.max_seq_len, max_tokens=cfg.max_tokens)
+                             max_seq_len=cfg.max_seq_len, max_tokens=cfg.max_tokens, kv_budget_mb=cfg.kv_budget_mb,
+                             block_size=int(cfg.block_size), prefix_cache=bool(cfg.prefix_cache))
     state = build_state(loaded, settings)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         console.print(f"[bold yellow]warning:[/] serving on {cfg.host} without api_key: anyone who can reach it "
                       "can use it", highlight=False)
-    limits = state.scheduler.limits
+    scheduler = state.scheduler
+    limits, pool = scheduler.limits, scheduler.cache.pool
     console.print(f"[dim]{loaded.name} {loaded.precision.name} as {state.model_id!r} on http://{cfg.host}:{cfg.port}"
-                  f"/v1 | max_batch {limits.max_batch} | max_queue {limits.max_queue} | max_kv_tokens "
-                  f"{limits.max_kv_tokens} | max_seq_len {limits.max_seq_len}[/]", highlight=False)
+                  f"/v1 | max_batch {limits.max_batch} | max_queue {limits.max_queue} | KV pool {pool.num_blocks} "
+                  f"blocks of {pool.block_size} = {scheduler.kv_capacity_tokens} tokens, "
+                  f"{scheduler.cache.storage.nbytes / 2**20:.0f} MiB | prefix cache "
+                  f"{'on' if limits.prefix_cache else 'off'} | max_seq_len {limits.max_seq_len}[/]", highlight=False)
     serve_forever(state, cfg.host, int(cfg.port))

@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP server over the engine, with continuous batching.
 
-    slot_cache.py  the per-row KV cache rows of different lengths decode together in
+    kv_pool.py     the paged KV block pool every running sequence shares; admission's block arithmetic
     sequence.py    one request's state and events
-    scheduler.py   the model loop on its own thread: admission, prefill, batched decode, cancellation
+    scheduler.py   the model loop on its own thread: admission by free blocks, prefill, batched decode,
+                   preemption, cancellation
     protocol.py    request bodies checked field by field; OpenAI-style errors
     app.py         the FastAPI routes, JSON and server-sent events
     metrics.py     Prometheus metrics

@@ -3,7 +3,7 @@
 Handlers never touch the model: they parse and check the request (protocol.py), hand a `Sequence` to the scheduler,
 and relay its events (from the scheduler thread, via call_soon_threadsafe) either as one JSON response or as
 server-sent events in OpenAI's chunk format ending with `data: [DONE]`. A client that goes away cancels its sequence,
-which frees its row at the scheduler's next turn.
+which frees its KV blocks at the scheduler's next turn.
 """
 
 import asyncio
@@ -94,11 +94,12 @@ def create_app(state: ServerState) -> FastAPI:
                            param="model", code="model_not_found")
         parse = parse_chat if chat else parse_completion
         parsed = parse(body, state.tokenizer, state.max_tokens_limit, state.scheduler.limits.max_seq_len)
-        limits = state.scheduler.limits
-        if len(parsed.prompt_ids) + parsed.max_tokens > limits.max_kv_tokens:
-            raise APIError(400, f"prompt + max_tokens ({len(parsed.prompt_ids) + parsed.max_tokens}) exceeds this "
-                           f"server's KV budget of {limits.max_kv_tokens} tokens", param="max_tokens",
-                           code="context_length_exceeded")
+        scheduler = state.scheduler
+        if not scheduler.fits(len(parsed.prompt_ids) + parsed.max_tokens):  # it would never fit, even alone
+            raise APIError(400, f"prompt + max_tokens ({len(parsed.prompt_ids) + parsed.max_tokens} tokens) exceeds "
+                           f"this server's whole KV pool of {scheduler.kv_capacity_tokens} tokens "
+                           f"({scheduler.cache.pool.num_blocks} blocks of {scheduler.cache.block_size})",
+                           param="max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 

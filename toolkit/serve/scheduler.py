@@ -1,14 +1,26 @@
 """Continuous batching: one background thread owns the model and runs it step by step; requests join and leave the
 running batch at token granularity.
 
-Each turn of the loop: drop cancelled sequences (freeing their rows), admit waiting ones in arrival order while a row
-and the KV token budget allow (each prefilled alone, batch 1, then copied into the slot cache), then one batched decode
-step for every live row. Torch work never runs on the event loop; the HTTP layer only enqueues and receives events.
+Keys/values live in one paged block pool (toolkit.kv.paged, sized by kv_pool.py): each running sequence holds the
+blocks its tokens fill, full blocks are kept under their token prefix, and a prompt that starts like an earlier one
+reuses those blocks and prefills only the rest.
 
-Admission counts a sequence's worst case (prompt + max_tokens) against `max_kv_tokens`, so a batch never outgrows its
-memory mid-flight; the queue is bounded (`max_queue`) and `submit` refuses beyond it (HTTP 429).
+Each turn of the loop: drop cancelled sequences (their blocks go back at once), admit waiting ones in arrival order
+while a batch row and the pool's free blocks allow (each prefilled alone, logits of its last position only), then one
+batched decode step for every running sequence. Torch work never runs on the event loop; the HTTP layer only
+enqueues and receives events.
+
+Admission is by free blocks, not worst-case length: the head of the queue goes in when the pool has the blocks its
+prompt needs (past its cached prefix) plus one per running sequence for the tokens they add next. Sequences grow
+into the pool as they decode; when a step finds no block left, the most recently admitted sequence is preempted: its
+blocks are freed and it goes back to the head of the queue, to be prefilled again later from its prompt plus what it
+had generated (its full blocks usually still sit in the prefix cache, so that is cheap). Tokens already streamed are
+not sent again, and greedy output does not change. The queue is bounded (`max_queue`) and `submit` refuses beyond it
+(HTTP 429); a request that needs more blocks than the whole pool is refused by the HTTP layer (`fits`).
 """
 
+import functools
+import inspect
 import logging
 import threading
 import time
@@ -17,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.generate import Detokenizer, prefill
-from toolkit.engine.kv_cache import ContiguousKVCache
+from toolkit.engine.generate import Detokenizer
 from toolkit.engine.precision import exact_linears, may_overflow
 from toolkit.engine.sampling import sample
+from toolkit.kv.paged import OutOfBlocks
+from toolkit.serve.kv_pool import make_cache, prefill_cost
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.sequence import Sequence
-from toolkit.serve.slot_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +46,11 @@ PREFILL_TOKENS_PER_TURN = 512  # prompt tokens prefilled between two decode step
 class Limits:
     max_batch: int = 16  # sequences decoded together
     max_queue: int = 64  # requests waiting for a row; beyond: 429
-    max_kv_tokens: int = 32768  # sum of prompt + max_tokens over running sequences
+    max_kv_tokens: int = 32768  # the KV block pool in tokens (rounded up to whole blocks), unless kv_budget_mb
     max_seq_len: int = 2048  # prompt + max_tokens of one sequence (at most the model's context)
+    block_size: int = 16  # tokens per KV block
+    prefix_cache: bool = True  # reuse the blocks of a cached prompt prefix
+    kv_budget_mb: float | None = None  # the KV block pool in MiB; when set, instead of max_kv_tokens
 
 
 class QueueFull(Exception):
@@ -50,15 +65,27 @@ class Scheduler:
     def __init__(self, model, tokenizer, stop_tokens: set[int], limits: Limits, metrics: ServerMetrics):
         self.model, self.tokenizer, self.stop_tokens = model, tokenizer, stop_tokens
         self.limits, self.metrics = limits, metrics
-        self.cache = SlotKVCache(model, limits.max_batch, limits.max_seq_len)
+        self.cache = make_cache(model, limits.max_kv_tokens, limits.block_size, limits.kv_budget_mb)
         self.device = next(model.parameters()).device
-        self.running: list[Sequence] = []  # running[i] lives in cache row i
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.waiting: deque[Sequence] = deque()
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="specquant-scheduler", daemon=True)
         self._step_s = 0.05  # recent decode step time, for Retry-After
         self.peak_batch = 0  # the most rows one decode step has run (tests check batching really happened)
+        self.preemptions = 0
+        metrics.kv_blocks_total.set(self.cache.pool.num_blocks)
+        metrics.kv_allocated.set(self.cache.storage.nbytes)
+        self._publish()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.cache.pool.num_blocks * self.cache.block_size
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a sequence of `tokens` (prompt + max_tokens) fits in the whole pool (alone, at worst)."""
+        return self.cache.pool.blocks_for(tokens) <= self.cache.pool.num_blocks
 
     # --- called from the HTTP side ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -107,6 +134,7 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for seq in list(self.running):
                     self._finish(seq, "error", error=f"internal error: {exc}")
+                self._publish()
         for seq in list(self.running) + list(self.waiting):
             seq.emit({"type": "error", "message": "the server is shutting down"})
 
@@ -118,13 +146,11 @@ class Scheduler:
             self._decode()
         self._publish()
 
-    def _reserved(self) -> int:
-        return sum(s.reserved_tokens for s in self.running)
-
     def _admit(self) -> None:
         # Prefill runs alone and stalls every live row: bound the prompt tokens prefilled per turn (at least one
         # request) so a burst of arrivals interleaves with decode steps instead of freezing the batch for all of them.
         budget = PREFILL_TOKENS_PER_TURN
+        pool = self.cache.pool
         while budget > 0:
             with self._cond:
                 gone = [s for s in self.waiting if s.cancelled.is_set()]
@@ -133,12 +159,15 @@ class Scheduler:
                     self.metrics.finished.labels("cancelled").inc()
                 if not self.waiting or len(self.running) >= self.limits.max_batch:
                     return
-                # first come, first served: the head waits for room rather than being overtaken (no starvation)
-                if self.running and self._reserved() + self.waiting[0].reserved_tokens > self.limits.max_kv_tokens:
+                # first come, first served: the head waits for room rather than being overtaken (no starvation).
+                # Alone it always fits (fits() was checked at submission); beside others it leaves one block per
+                # running sequence for their next tokens, so admitting it does not preempt someone at once.
+                cost = prefill_cost(self.cache, self.waiting[0].context_ids, self.limits.prefix_cache)
+                if self.running and cost.blocks + len(self.running) > pool.available:
                     return
                 seq = self.waiting.popleft()
                 self.metrics.queue.set(len(self.waiting))
-            budget -= len(seq.prompt_ids)
+            budget -= cost.compute_tokens
             try:
                 self._prefill(seq)
             except Exception as exc:  # this request fails; the batch and the server go on
@@ -151,36 +180,65 @@ class Scheduler:
 
     @torch.inference_mode()
     def _prefill(self, seq: Sequence) -> None:
-        seq.admitted = time.perf_counter()
-        ids = torch.tensor([seq.prompt_ids], device=self.device)
-        positions = torch.arange(ids.shape[1], device=self.device)[None]
-        alone = ContiguousKVCache.for_model(self.model, ids.shape[1])
-        logits = prefill(self.model, ids, None, positions, alone)
-        self.metrics.prompt_tokens.inc(ids.shape[1])
-        seq.detok = Detokenizer(self.tokenizer, seq.stop_strings)
-        self.cache.add_row(alone)
-        self.running.append(seq)
+        if seq.admitted is None:
+            seq.admitted = time.perf_counter()
+        ids = seq.context_ids
+        seq.kv = self.cache.new_sequence(ids, reuse_prefix=self.limits.prefix_cache)
+        self.running.append(seq)  # from here on, _finish gives its blocks back whatever happens
+        rest = ids[seq.kv.length:]
+        logits = self._forward([seq], [rest])
+        self.metrics.prompt_tokens.inc(len(rest))
+        if seq.detok is None:  # a preempted sequence keeps its detokenizer: what was streamed is not sent again
+            seq.detok = Detokenizer(self.tokenizer, seq.stop_strings)
         self._accept(seq, self._sample(seq, logits[0]))
 
     @torch.inference_mode()
     def _decode(self) -> None:
         start = time.perf_counter()
-        tokens = torch.tensor([[s.generated[-1]] for s in self.running], device=self.device)
-        positions, mask = self.cache.begin_step()
+        while True:
+            try:
+                logits = self._forward(self.running, [[s.generated[-1]] for s in self.running])
+                break
+            except OutOfBlocks:
+                if len(self.running) == 1:  # cannot happen for a request fits() accepted
+                    raise
+                self._preempt(self.running[-1])
         self.peak_batch = max(self.peak_batch, len(self.running))
-
-        def run():
-            return self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
-                              use_cache=True).logits[:, -1]
-
-        logits = run()
-        if may_overflow(self.model) and not torch.isfinite(logits).all():
-            with exact_linears():  # rewrites the same columns: lengths only advance in end_step
-                logits = run()
-        self.cache.end_step()
         for seq, row_logits in zip(list(self.running), logits):
             self._accept(seq, self._sample(seq, row_logits))
         self._step_s = 0.8 * self._step_s + 0.2 * (time.perf_counter() - start)
+
+    def _forward(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> torch.Tensor:
+        """One model call adding `new_tokens` (the same number per sequence) to `seqs`; the logits of each one's last
+        position [rows, vocab]. Raises OutOfBlocks, before running anything, if the pool cannot hold the tokens."""
+        positions, mask = self.cache.bind([s.kv for s in seqs], new_tokens)
+        ids = torch.tensor(new_tokens, device=self.device)
+        kwargs = {"logits_to_keep": 1} if _takes_logits_to_keep(type(self.model)) else {}
+
+        def run():
+            return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                              use_cache=True, **kwargs).logits[:, -1]
+
+        logits = run()
+        if may_overflow(self.model) and not torch.isfinite(logits).all():
+            # the overflowed call wrote garbage keys/values to the bound slots; nothing is committed until
+            # commit(), so running the same binding again overwrites exactly those slots
+            with exact_linears():
+                logits = run()
+        self.cache.commit()
+        return logits
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and put it back at the head of the queue, to be recomputed from prompt + generated."""
+        self.cache.free(seq.kv)
+        seq.kv = None
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.metrics.preemptions.inc()
+        with self._cond:  # queued before it leaves the batch: /health never sees it nowhere
+            self.waiting.appendleft(seq)
+            self.metrics.queue.set(len(self.waiting))
+        self.running.remove(seq)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         return int(sample(logits[None], seq.sampling, seq.generator)[0])
@@ -207,11 +265,11 @@ class Scheduler:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Take `seq` out of the batch (its row is freed at once) and send its last events."""
-        row = self.running.index(seq)
-        if self.cache.remove_row(row) is not None:
-            self.running[row] = self.running[-1]
-        self.running.pop()
+        """Take `seq` out of the batch (its blocks go back to the pool at once) and send its last events."""
+        if seq.kv is not None:  # blocks first: once /health shows the batch empty, the pool is too
+            self.cache.free(seq.kv)
+            seq.kv = None
+        self.running.remove(seq)
         seq.finish_reason = reason
         self.metrics.finished.labels(reason).inc()
         if reason in ("cancelled",):
@@ -230,5 +288,10 @@ class Scheduler:
         m.batch.set(len(self.running))
         m.queue.set(len(self.waiting))
         m.kv_bytes.set(self.cache.nbytes)
-        m.kv_allocated.set(self.cache.allocated_bytes)
-        m.kv_tokens_reserved.set(self._reserved())
+        m.kv_tokens.set(sum(s.kv.length for s in self.running if s.kv is not None))
+        m.publish_pool(self.cache.pool)
+
+
+@functools.cache
+def _takes_logits_to_keep(model_class) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters

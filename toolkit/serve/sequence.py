@@ -15,6 +15,7 @@ import torch
 
 from toolkit.engine.generate import Detokenizer
 from toolkit.engine.sampling import SamplingParams
+from toolkit.kv.paged import PagedSequence
 
 _ids = itertools.count(1)
 
@@ -31,8 +32,10 @@ class Sequence:
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    admitted: float | None = None
+    admitted: float | None = None  # first admission (a preempted sequence is admitted again later)
     finish_reason: str | None = None
+    kv: PagedSequence | None = None  # its blocks in the pool while it runs; None while it waits
+    preemptions: int = 0
 
     def __post_init__(self):
         # a per-request generator: a seeded request samples the same tokens whatever else shares its batch
@@ -40,9 +43,9 @@ class Sequence:
         self.detok: Detokenizer | None = None
 
     @property
-    def reserved_tokens(self) -> int:
-        """KV tokens this sequence may come to hold: what admission counts against max_kv_tokens."""
-        return len(self.prompt_ids) + self.max_tokens
+    def context_ids(self) -> list[int]:
+        """What a (re)admission prefills: the prompt, plus what it generated before it was preempted."""
+        return self.prompt_ids + self.generated
 
     @property
     def done(self) -> bool:

@@ -10,6 +10,7 @@ import uvicorn
 
 from toolkit.engine.generate import context_length, stop_token_ids
 from toolkit.errors import InputError
+from toolkit.kv.paged import PagedKVCache
 from toolkit.serve.app import ServerState, create_app
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.scheduler import Limits, Scheduler
@@ -23,9 +24,12 @@ class ServeSettings:
     model_id: str | None = None  # the name clients send; None = the loaded model's name
     max_batch: int = 16
     max_queue: int = 64
-    max_kv_tokens: int = 32768
+    max_kv_tokens: int = 32768  # the KV block pool in tokens (rounded up to whole blocks), unless kv_budget_mb
     max_seq_len: int | None = None  # None = min(model context, 4096)
     max_tokens: int = 1024  # the largest max_tokens a request may ask for
+    kv_budget_mb: float | None = None  # the KV block pool in MiB; when set, it sizes the pool instead
+    block_size: int = 16  # tokens per KV block
+    prefix_cache: bool = True  # reuse cached prompt-prefix blocks
 
 
 def build_state(loaded, settings: ServeSettings) -> ServerState:
@@ -34,13 +38,20 @@ def build_state(loaded, settings: ServeSettings) -> ServerState:
     max_seq_len = settings.max_seq_len or min(context, 4096)
     for name, value in (("max_batch", settings.max_batch), ("max_queue", settings.max_queue),
                         ("max_kv_tokens", settings.max_kv_tokens), ("max_seq_len", max_seq_len),
-                        ("max_tokens", settings.max_tokens)):
+                        ("max_tokens", settings.max_tokens), ("block_size", settings.block_size)):
         if value < 1:
             raise InputError(f"{name} must be >= 1, got {value}", f"set {name}= to a positive number")
+    if settings.kv_budget_mb is not None:
+        per_block = PagedKVCache.bytes_per_block(model, settings.block_size)
+        if settings.kv_budget_mb * 2**20 < per_block:
+            raise InputError(f"kv_budget_mb={settings.kv_budget_mb} holds no KV block: one block of "
+                             f"{settings.block_size} tokens takes {per_block / 2**20:.3g} MiB for this model",
+                             f"raise kv_budget_mb, or set it to null to size the pool by max_kv_tokens")
     if max_seq_len > context:
         raise InputError(f"max_seq_len={max_seq_len} exceeds the model's context of {context} tokens",
                          f"use max_seq_len<={context} or null")
-    limits = Limits(settings.max_batch, settings.max_queue, settings.max_kv_tokens, max_seq_len)
+    limits = Limits(settings.max_batch, settings.max_queue, settings.max_kv_tokens, max_seq_len, settings.block_size,
+                    settings.prefix_cache, settings.kv_budget_mb)
     metrics = ServerMetrics()
     scheduler = Scheduler(model, loaded.tokenizer, stop_token_ids(model, loaded.tokenizer), limits, metrics)
     return ServerState(scheduler, loaded.tokenizer, settings.model_id or str(loaded.name), settings.max_tokens,

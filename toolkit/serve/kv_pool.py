@@ -1,0 +1,45 @@
+"""The server's KV memory: one paged block pool (toolkit.kv.paged) shared by every running sequence, sized once at
+start, and the block arithmetic admission needs.
+
+The pool's size comes from `max_kv_tokens` (tokens, rounded up to whole blocks; model-independent, the default) or,
+when set, `kv_budget_mb` (MiB of keys/values: as many blocks as fit). A request whose prompt + max_tokens needs more
+blocks than the whole pool can never run, and is refused at submission.
+"""
+
+from dataclasses import dataclass
+
+from toolkit.kv.paged import PagedKVCache
+from toolkit.kv.paged.pool import ROOT
+
+
+def make_cache(model, max_kv_tokens: int, block_size: int, kv_budget_mb: float | None) -> PagedKVCache:
+    if kv_budget_mb is not None:
+        return PagedKVCache.with_budget(model, int(kv_budget_mb * 2**20), block_size)
+    return PagedKVCache(model, -(-max_kv_tokens // block_size), block_size)
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    blocks: int  # how much pool.available drops when the sequence is admitted and prefilled
+    compute_tokens: int  # prompt tokens the model runs (those past the cached prefix)
+
+
+def prefill_cost(cache: PagedKVCache, ids: list[int], reuse_prefix: bool) -> PrefillCost:
+    """What admitting a sequence of context `ids` costs, without admitting it (no blocks retained, no prefix-cache
+    statistics counted: a head of the queue waiting for room is looked at every turn).
+
+    Walks the same prefix keys as `cache.new_sequence` (whole blocks, leaving at least one token to run). Matched
+    blocks nobody references are in `pool.available` now and leave it once retained; the rest of the prompt takes
+    fresh blocks (it starts at a block boundary, so no copy-on-write)."""
+    pool, bs = cache.pool, cache.block_size
+    matched = idle = 0
+    parent = ROOT
+    if reuse_prefix:
+        for start in range(0, len(ids) - 1 - bs + 1, bs):
+            block = pool.lookup(parent, tuple(ids[start:start + bs]))
+            if block is None:
+                break
+            matched += 1
+            idle += pool.ref_count[block] == 0
+            parent = pool.key_id[block]
+    return PrefillCost(pool.blocks_for(len(ids)) - matched + idle, len(ids) - matched * bs)
