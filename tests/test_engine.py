@@ -278,3 +278,40 @@ def test_wide_copy_gives_the_same_logits_and_is_not_counted_as_weight_bytes(tiny
     with torch.inference_mode():
         assert torch.equal(plain(ids).logits, wide(ids).logits)
     assert weight_bytes(wide) == weight_bytes(plain)
+
+
+def test_fbgemm_fp16_path_matches_the_wide_path_and_generates_the_same_tokens(tiny_llama_dir, tiny_tokenizer):
+    """engine.gemm=fbgemm multiplies the same fp16 weights in fp32 (in another summation order): logits within fp32
+    rounding of the wide path's at few-row and many-row products, the same greedy tokens, and products of
+    FBGEMM_MAX_ROWS rows or more take the wide path itself."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.engine import precision as P
+
+    if not P.fbgemm_available():
+        pytest.skip("this torch build has no fbgemm")
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    half = Precision(torch.float32, torch.float16)
+    wide = prepare_model(copy.deepcopy(ref), half, wide_copy=True, gemm="torch")
+    fb = prepare_model(copy.deepcopy(ref), half, wide_copy=True, gemm="fbgemm")
+    packed = [m for m in fb.modules() if getattr(m, "fbgemm_fp16", None) is not None]
+    assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in fb.modules())
+    with torch.inference_mode():
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, 64)
+            layer_fb, layer_wide = fb.model.layers[0].mlp.up_proj, wide.model.layers[0].mlp.up_proj
+            with exact_linears():
+                expected = layer_wide(x)
+            torch.testing.assert_close(layer_fb(x), expected, rtol=1e-5, atol=1e-5)
+        big = torch.randn(P.FBGEMM_MAX_ROWS, 64)
+        assert torch.equal(fb.model.layers[0].mlp.up_proj(big), wide.model.layers[0].mlp.up_proj(big))
+        ids = torch.randint(0, ref.config.vocab_size, (2, 9))
+        torch.testing.assert_close(fb(ids).logits, wide(ids).logits, rtol=1e-4, atol=1e-4)
+    prompts = ["Python's import system", "A class definition"]
+    a = generate(wide, tiny_tokenizer, prompts, 12, stop_tokens=set())
+    b = generate(fb, tiny_tokenizer, prompts, 12, stop_tokens=set())
+    assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]
+    with pytest.raises(Exception, match="engine.gemm"):
+        prepare_model(copy.deepcopy(ref), half, gemm="blas")

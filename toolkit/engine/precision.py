@@ -29,6 +29,11 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 # Zen 3 for a 1536x576 bf16 weight: 1 row 98 vs 189 us, 4 rows 368 vs 352 us, 128 rows 11.5 vs 1.75 ms).
 UPCAST_MIN_ROWS = 4
 
+# engine.gemm=fbgemm|auto: below this many rows fp16-stored layers run fbgemm's packed fp16 GEMM (see
+# pack_fbgemm_fp16), from it on the wide path above. Measured on Zen 3, 2 threads, 1536x576 (us per call):
+# TODO measure on a quiet machine
+FBGEMM_MAX_ROWS = 256
+
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
@@ -92,9 +97,15 @@ class HalfStorageLinear(torch.nn.Linear):
     counted in the bytes a decode step moves."""
 
     exact = False  # set on the class by exact_linears()
+    fbgemm_max_rows = 0  # products of fewer rows run fbgemm's packed fp16 GEMM, when the layer has one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] < UPCAST_MIN_ROWS and not HalfStorageLinear.exact:
+        rows = x.numel() // x.shape[-1]
+        packed = getattr(self, "fbgemm_fp16", None)
+        if packed is not None and rows < self.fbgemm_max_rows and x.dtype == torch.float32:
+            # fp16 weights widened in registers, fp32 activations and accumulation: the wide path's arithmetic
+            return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+        if rows < UPCAST_MIN_ROWS and not HalfStorageLinear.exact:
             y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
             return y if self.bias is None else y + self.bias
         compute = torch.float32 if x.dtype != torch.float32 and not _native_matmul(x.dtype, x.device) else x.dtype
@@ -120,6 +131,23 @@ def may_overflow(model) -> bool:
     return precision is not None and precision.weights == torch.float16 and precision.compute != torch.float16
 
 
+GEMMS = ("auto", "fbgemm", "torch")
+
+
+def fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def pack_fbgemm_fp16(module: torch.nn.Linear, max_rows: int) -> None:
+    """Give a fp16-stored Linear fbgemm's packed fp16 copy of its weight (2 bytes per weight) for products of fewer
+    than `max_rows` rows. fbgemm widens the fp16 weight to fp32 in registers and multiplies fp32 activations with
+    fp32 accumulation, so its results are the wide path's up to summation order; its small-row kernel is what wins:
+    see FBGEMM_MAX_ROWS."""
+    bias = None if module.bias is None else module.bias.detach().float()
+    module.fbgemm_fp16 = torch.ops.quantized.linear_prepack_fp16(module.weight.detach().float(), bias)
+    module.fbgemm_max_rows = max_rows
+
+
 def _cast_output(dtype):
     def hook(module, inputs, output):
         return output.to(dtype)
@@ -135,10 +163,16 @@ def wide_copy_fits(model: torch.nn.Module, share: float = 0.25) -> bool:
 
 
 def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype,
-                  wide_copy: bool | str = False) -> torch.nn.Module:
+                  wide_copy: bool | str = False, gemm: str = "torch") -> torch.nn.Module:
     """Cast `model` in place for inference at `precision` (a bare dtype means that dtype for both); returns it.
     `wide_copy` (True, False or "auto" = when it fits in a quarter of the free memory): half-stored Linear layers also
-    keep an fp32 copy of their weight for multi-row products (see HalfStorageLinear)."""
+    keep an fp32 copy of their weight for multi-row products (see HalfStorageLinear). `gemm`: "fbgemm" (or "auto"
+    where fbgemm is built in) runs fp16-stored layers under fp32 activations through fbgemm's packed fp16 GEMM for
+    products under FBGEMM_MAX_ROWS rows; "torch" keeps torch's kernels only."""
+    if gemm not in GEMMS:
+        raise InputError(f"unknown engine.gemm {gemm!r}", f"use one of {', '.join(GEMMS)}")
+    if gemm == "fbgemm" and not fbgemm_available():
+        raise InputError("engine.gemm=fbgemm but this torch has no fbgemm", "use engine.gemm=auto or torch")
     if isinstance(precision, torch.dtype):
         precision = Precision(precision, precision)
     # Parameters only: buffers keep their dtype (rotary frequencies stay fp32; quantized layers keep the scale
@@ -152,12 +186,16 @@ def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype,
         # the dtype the wide path computes in (see HalfStorageLinear.forward); GPUs keep their memory
         wide = None if device.type != "cpu" else (
             precision.compute if _native_matmul(precision.compute, device) else torch.float32)
+        use_fbgemm = (gemm != "torch" and fbgemm_available() and device.type == "cpu"
+                      and precision.weights == torch.float16 and precision.compute == torch.float32)
         if wide_copy == "auto":
             wide_copy = wide_copy_fits(model)
         for module in model.modules():
             if type(module) is torch.nn.Linear:
                 module.weight.data = module.weight.data.to(precision.weights)
                 module.__class__ = HalfStorageLinear
+                if use_fbgemm:
+                    pack_fbgemm_fp16(module, FBGEMM_MAX_ROWS)
                 if wide_copy and wide is not None:
                     module.register_buffer("wide_weight", module.weight.data.to(wide), persistent=False)
     embedding = model.get_input_embeddings()

@@ -67,7 +67,7 @@ def prepare_engine_model(model, engine_cfg) -> Precision:
     precision = resolve_precision(engine_cfg.dtype, engine_cfg.get("weight_dtype", "auto"), engine_cfg.device)
     if engine_cfg.device != "cpu":
         model.to(engine_cfg.device)
-    prepare_model(model, precision, wide_copy=engine_cfg.get("wide_copy", "auto"))
+    prepare_model(model, precision, wide_copy=engine_cfg.get("wide_copy", "auto"), gemm=engine_cfg.get("gemm", "auto"))
     if engine_cfg.get("compile"):
         compile_decode(model)
     return precision
