@@ -20,13 +20,19 @@ def ran(request, tmp_path_factory, tiny_llama_dir, tiny_gemma3_dir):
     tmp = tmp_path_factory.mktemp("paged-bench")
     out, store = tmp / "paged.json", tmp / "results.jsonl"
     returned = paged.main(["--model", str(model), *TINY, "--out", str(out), "--store", str(store)])
-    return returned, json.loads(out.read_text()), [json.loads(line) for line in store.read_text().splitlines()]
+    return returned, json.loads(out.read_text()), [json.loads(line) for line in store.read_text().splitlines()], store
 
 
 def test_result_written_and_stored(ran):
-    returned, written, stored = ran
+    from toolkit.report.rows import build_rows
+    from toolkit.report.store import read_store
+
+    returned, written, stored, store = ran
     assert written["kind"] == "bench" and written["kv"] == "paged" and written["config"]["bench"] == "paged"
-    assert len(stored) == 1 and stored[0]["capacity"] == written["capacity"]
+    assert len(stored) == 1 and stored[0]["capacity"] == written["capacity"] == returned["capacity"]
+    # `specquant report` reads it as its own row (kv paged), not as the plain model's speed
+    results, bad = read_store(store)
+    assert bad == 0 and [(row.kv, row.spec) for row in build_rows(results)] == [("paged", "none")]
     assert written["dtype"] == "fp32"
     assert set(written["acceptance"]) == {"capacity_3x", "prefix_ttft_5x", "itl_within_10pct"}
 
@@ -48,6 +54,7 @@ def test_capacity_is_the_allocators_count(ran):
     budget_tokens = cap["budget_bytes"] / cap["bytes_per_token"]
     assert pre["max_seq_len"] == int(budget_tokens // cap["protocol"]["max_seq_len"])
     assert cap["ratio"] == cap["paged"]["mid_flight"]["sequences"] / pre["prompt_plus_max_tokens"]
+    assert 0 < cap["preallocated_utilisation_mid_flight"] <= 1
 
 
 def test_prefix_reuse_is_exact_and_hits(ran):
@@ -58,6 +65,7 @@ def test_prefix_reuse_is_exact_and_hits(ran):
     # each turn found at least the whole blocks of the system prompt (more only where turns share a start: the
     # "User:" template), never its whole prompt
     system, block = pre["protocol"]["system_tokens"], pre["protocol"]["block_size"]
+    assert system == 64
     for cached, turn in zip(pre["cached_tokens"], pre["protocol"]["turn_tokens"]):
         assert system // block * block <= cached < system + turn and cached % block == 0
     assert pre["evictions"] == 0

@@ -75,7 +75,7 @@ def paged_greedy(model, cache: PagedKVCache, prompt: list[int], new_tokens: int,
     return tokens, ttft, seq
 
 
-# --- 1. capacity -------------------------------------------------------------------------------------------------------
+# --- 1. capacity ------------------------------------------------------------------------------------------------------
 def request_stream(seed: int, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
                    vocab: int) -> list[dict]:
     """`count` requests: prompt ids, where the request stops, and how far it got at a random instant."""
@@ -135,8 +135,14 @@ def preallocated_counts(requests: list[dict], budget_bytes: int, per_token: floa
         if (i + 1) * (longest + max_tokens) > budget_tokens:
             break
         batch = i + 1
-    return {"prompt_plus_max_tokens": in_order(lambda i, r: len(r["prompt"]) + max_tokens),
-            "left_padded_batch": batch, "max_seq_len": int(budget_tokens // max_seq_len)}
+    reserved = in_order(lambda i, r: len(r["prompt"]) + max_tokens)
+    admitted = requests[:reserved]
+    held = sum(len(r["prompt"]) + r["mid_flight"] for r in admitted)
+    return {"prompt_plus_max_tokens": reserved, "left_padded_batch": batch,
+            "max_seq_len": int(budget_tokens // max_seq_len),
+            # of the slots prompt + max_tokens reserves, the share its admitted requests fill mid flight
+            "prompt_plus_max_tokens_utilisation": held / sum(len(r["prompt"]) + max_tokens for r in admitted)
+            if admitted else None}
 
 
 def capacity(model, budget_mb: float, block_size: int, prompt_range, output_range, max_seq_len: int, seed: int,
@@ -153,9 +159,10 @@ def capacity(model, budget_mb: float, block_size: int, prompt_range, output_rang
     paged = {stage: fill_paged(model, budget_bytes, block_size, requests, stage)
              for stage in ("mid_flight", "at_completion")}
     baseline = preallocated_counts(requests, budget_bytes, per_token, output_range[1], max_seq_len)
+    utilisation = baseline.pop("prompt_plus_max_tokens_utilisation")
     head = baseline["prompt_plus_max_tokens"]
     return {"budget_bytes": budget_bytes, "bytes_per_token": per_token, "block_size": block_size,
-            "paged": paged, "preallocated": baseline,
+            "paged": paged, "preallocated": baseline, "preallocated_utilisation_mid_flight": utilisation,
             "ratio": paged["mid_flight"]["sequences"] / head if head else None,
             "ratios": {f"{stage}_vs_{name}": (paged[stage]["sequences"] / n if n else None)
                        for stage in paged for name, n in baseline.items()},
@@ -164,12 +171,16 @@ def capacity(model, budget_mb: float, block_size: int, prompt_range, output_rang
                          "max_seq_len": max_seq_len, "text": "see toolkit/bench/paged.py: capacity"}}
 
 
-# --- 2. prefix caching -------------------------------------------------------------------------------------------------
+# --- 2. prefix caching ------------------------------------------------------------------------------------------------
 def chat_prompts(tokenizer, system_tokens: int, turns: int, turn_tokens: int, seed: int) -> tuple[list, list]:
     """The shared system prompt's ids and `turns` distinct user turns' ids (appended to it by the caller)."""
     from toolkit.data import build_prompts
 
-    system = tokenizer(build_prompts("open", tokenizer, system_tokens, 1, seed=seed)[0].text).input_ids
+    # a longer clean passage cut to exactly `system_tokens` tokens (a cut mid-sentence is fine in a system prompt)
+    system = tokenizer(build_prompts("open", tokenizer, system_tokens + 64, 1, seed=seed)[0].text).input_ids
+    if len(system) < system_tokens:
+        raise InputError(f"the prompt set has no passage of {system_tokens} tokens", "lower --system-tokens")
+    system = system[:system_tokens]
     passages = build_prompts("open", tokenizer, turn_tokens, turns, seed=seed + 1)
     user = [tokenizer(f"\n\nUser: {p.text}\nAssistant:", add_special_tokens=False).input_ids for p in passages]
     return system, user
@@ -217,7 +228,7 @@ def prefix_ttft(model, tokenizer, system_tokens: int, turns: int, turn_tokens: i
                          "text": "see toolkit/bench/paged.py: prefix"}}
 
 
-# --- 3. decode ITL -----------------------------------------------------------------------------------------------------
+# --- 3. decode ITL ----------------------------------------------------------------------------------------------------
 class ContiguousBatch:
     """The engine's batch: left-padded, prefilled once, decoded by decode_step over a ContiguousKVCache."""
 
@@ -318,7 +329,7 @@ def decode_itl(model, tokenizer, batch: int, length_range: tuple[int, int], new_
                          "text": "see toolkit/bench/paged.py: itl"}}
 
 
-# --- the run -----------------------------------------------------------------------------------------------------------
+# --- the run ----------------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["capacity", "prefix", "itl"], choices=["capacity", "prefix", "itl"])
@@ -359,7 +370,8 @@ def _check(args) -> None:
                 "turn_tokens", "prefix_new_tokens", "itl_batch", "itl_prompt_min", "itl_new_tokens", "itl_runs")
     for name in positive:
         if getattr(args, name) <= 0:
-            raise InputError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}", "give a positive value")
+            raise InputError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}",
+                             "give a positive value")
     for lo, hi in (("prompt_min", "prompt_max"), ("output_min", "max_tokens"), ("itl_prompt_min", "itl_prompt_max")):
         if getattr(args, lo) > getattr(args, hi):
             raise InputError(f"--{lo.replace('_', '-')} {getattr(args, lo)} > --{hi.replace('_', '-')} "
@@ -397,7 +409,8 @@ def run(args) -> dict:
     figures["acceptance"] = acceptance(figures)
     from toolkit.results import make_result
 
-    return make_result("bench", {"bench": "paged", **vars(args)}, figures, machine_facts(measure=False))
+    # the flags under "args": the report reads config["model"] as a model config node, not a name
+    return make_result("bench", {"bench": "paged", "args": vars(args)}, figures, machine_facts(measure=False))
 
 
 def acceptance(figures: dict) -> dict:
@@ -421,6 +434,10 @@ def print_capacity(c: dict) -> None:
         print(f"  preallocated {label:22} {n:4} sequences   paged mid_flight / this = "
               f"{_ratio(c['ratios'][f'mid_flight_vs_{name}'])}, at_completion / this = "
               f"{_ratio(c['ratios'][f'at_completion_vs_{name}'])}")
+    util = c["preallocated_utilisation_mid_flight"]
+    if util is not None:
+        print(f"  prompt + max_tokens reservations are {util:.1%} filled mid flight; paged blocks "
+              f"{pa['mid_flight']['token_utilisation']:.1%}")
     print(f"  => paged (mid flight) vs prompt + max_tokens: {_ratio(c['ratio'])} (goal >= 3x)", flush=True)
 
 
