@@ -107,10 +107,10 @@ def fill_paged(model, budget_bytes: int, block_size: int, requests: list[dict], 
             break
         held, tokens = i + 1, tokens + seq.length
     else:
-        raise InputError(f"{len(requests)} requests all fit in {budget_bytes / MIB:g} MiB",
-                         "raise --capacity-requests or lower --budget-mb")
+        raise InputError(f"all {len(requests)} requests fit in {budget_bytes / MIB:g} MiB", "lower --budget-mb")
     pool = cache.pool
-    return {"sequences": held, "tokens_held": tokens, "blocks_used": pool.used, "blocks_total": pool.num_blocks,
+    return {"bytes_per_token": cache.bytes_per_block_held / block_size, "sequences": held, "tokens_held": tokens,
+            "blocks_used": pool.used, "blocks_total": pool.num_blocks,
             "bytes_used": pool.used * cache.bytes_per_block_held, "pool_bytes": cache.storage.nbytes,
             "token_utilisation": tokens / (pool.used * block_size) if pool.used else 0.0}
 
@@ -123,7 +123,7 @@ def preallocated_counts(requests: list[dict], budget_bytes: int, per_token: floa
     def in_order(reserve) -> int:
         total = 0
         for i, request in enumerate(requests):
-            total += reserve(i, request)
+            total += reserve(request)
             if total > budget_tokens:
                 return i
         return len(requests)
@@ -135,7 +135,7 @@ def preallocated_counts(requests: list[dict], budget_bytes: int, per_token: floa
         if (i + 1) * (longest + max_tokens) > budget_tokens:
             break
         batch = i + 1
-    reserved = in_order(lambda i, r: len(r["prompt"]) + max_tokens)
+    reserved = in_order(lambda r: len(r["prompt"]) + max_tokens)
     admitted = requests[:reserved]
     held = sum(len(r["prompt"]) + r["mid_flight"] for r in admitted)
     return {"prompt_plus_max_tokens": reserved, "left_padded_batch": batch,
@@ -148,8 +148,7 @@ def preallocated_counts(requests: list[dict], budget_bytes: int, per_token: floa
 def capacity(model, budget_mb: float, block_size: int, prompt_range, output_range, max_seq_len: int, seed: int,
              count: int | None = None) -> dict:
     budget_bytes = int(budget_mb * MIB)
-    per_block = PagedKVCache.bytes_per_block(model, block_size)
-    per_token = per_block / block_size
+    per_token = PagedKVCache.bytes_per_block(model, block_size) / block_size
     if max_seq_len < prompt_range[1] + output_range[1]:
         raise InputError(f"--max-seq-len {max_seq_len} < longest prompt + max_tokens "
                          f"({prompt_range[1] + output_range[1]})", "raise --max-seq-len")
@@ -158,6 +157,8 @@ def capacity(model, budget_mb: float, block_size: int, prompt_range, output_rang
     requests = request_stream(seed, count, prompt_range, output_range, vocab)
     paged = {stage: fill_paged(model, budget_bytes, block_size, requests, stage)
              for stage in ("mid_flight", "at_completion")}
+    per_token = paged["mid_flight"].pop("bytes_per_token")  # the real pool's, for the baselines too
+    paged["at_completion"].pop("bytes_per_token")
     baseline = preallocated_counts(requests, budget_bytes, per_token, output_range[1], max_seq_len)
     utilisation = baseline.pop("prompt_plus_max_tokens_utilisation")
     head = baseline["prompt_plus_max_tokens"]
