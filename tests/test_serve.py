@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from toolkit.engine.generate import generate
@@ -375,6 +376,43 @@ def test_preemption_in_a_tiny_pool_keeps_greedy_output(tiny_model):
     _assert_pool_empty(scheduler)
 
 
+def test_overflowed_step_is_redone_exactly(tiny_model, monkeypatch):
+    """fp16-weight models redo a step whose logits overflowed, under exact linears. Simulated here: outside
+    exact_linears every call writes garbage keys/values and returns NaN logits. The redo reruns the same binding
+    (nothing is committed before it), overwriting the garbage, so prefills (prefix reuse included), decode steps and
+    preempted sequences all still match generate()."""
+    from toolkit.engine.precision import HalfStorageLinear
+    from toolkit.serve import scheduler as scheduler_module
+    from toolkit.serve.scheduler import Limits
+
+    model, tokenizer = tiny_model
+    prompts = [(PROMPTS[4] + " " + p, n) for p, n in zip(PROMPTS[:4], MAX_TOKENS[:4])]  # a shared prefix
+    expected = [generate(model, tokenizer, [p], n).sequences[0].token_ids for p, n in prompts]
+    calls = {"inexact": 0}
+
+    def garbage_in(module, args, output):
+        return None if HalfStorageLinear.exact else torch.randn_like(output) * 10
+
+    def nan_out(module, args, output):
+        if HalfStorageLinear.exact:
+            return None
+        calls["inexact"] += 1
+        return torch.full_like(output, float("nan"))
+
+    monkeypatch.setattr(scheduler_module, "may_overflow", lambda model: True)
+    hooks = [model.get_input_embeddings().register_forward_hook(garbage_in),
+             model.get_output_embeddings().register_forward_hook(nan_out)]
+    try:
+        limits = Limits(max_batch=4, max_queue=16, max_kv_tokens=120, max_seq_len=256, block_size=4)
+        scheduler, done, _ = _run_scheduler(model, tokenizer, limits, prompts)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls["inexact"] > 0 and scheduler.preemptions > 0 and scheduler.cache.pool.stats.prefix_hits > 0
+    assert [d["token_ids"] for d in done] == expected
+    _assert_pool_empty(scheduler)
+
+
 SYSTEM = ("You answer questions about Python. " + PROMPTS[4] + ". " + PROMPTS[2] + ". " + PROMPTS[8] + ".")
 QUESTIONS = ["What does yield do?", "How do I open a file?", "What is a lambda?", "Explain while loops.",
              "What is a class?"]
@@ -456,3 +494,22 @@ def test_preemption_over_http_streams_each_token_once(loaded):
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
         assert "96 tokens" in refused.json()["error"]["message"]
     assert texts == [_engine_text(loaded, p, n) for p, n in jobs]
+
+
+@pytest.mark.real_model
+def test_smollm2_prefix_reuse_and_preemption_match_generate(smollm2):
+    """The real model (30 layers, grouped-query attention): requests sharing a system prompt through a pool too small
+    for all of them at once reuse its blocks and get preempted, and still decode exactly as generate() does."""
+    from toolkit.serve.scheduler import Limits
+
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    prompts = [(f"{SYSTEM}\nQuestion: {q}\nAnswer:", 32) for q in QUESTIONS[:4]]  # 66 tokens: 5 blocks, 3 shared
+    shared = len(tokenizer(SYSTEM).input_ids)
+    assert shared > 48  # three full blocks of 16 at least
+    limits = Limits(max_batch=4, max_queue=8, max_kv_tokens=10 * 16, max_seq_len=512, block_size=16)
+    scheduler, done, streamed = _run_scheduler(model, tokenizer, limits, prompts)
+    assert scheduler.cache.pool.stats.prefix_hits > 0 and scheduler.preemptions > 0
+    expected = [generate(model, tokenizer, [p], n).sequences[0] for p, n in prompts]
+    assert [d["token_ids"] for d in done] == [s.token_ids for s in expected]
+    assert streamed == [s.text for s in expected]
+    _assert_pool_empty(scheduler)

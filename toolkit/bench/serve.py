@@ -3,6 +3,7 @@ requests served one at a time, in one run.
 
     python -m toolkit.bench.serve [--clients 16] [--duration 120] [--sequential-duration 60] [--max-tokens 128]
                                   [--model CHECKPOINT_OR_NAME] [--prompts open] [--out result.json]
+                                  [--kv-tokens N | --kv-budget-mb MB] [--block-size 16] [--no-prefix-cache]
 
 Protocol: a fixed list of requests (prompts of the --prompts set cut to 128, 256, 384 and 512 tokens in turn, greedy,
 --max-tokens new tokens each, stopping early only at the model's end-of-sequence) is served twice by one server
@@ -13,6 +14,11 @@ completion tokens (the server's usage counts) over wall time of each phase; the 
 buys. TTFT (request sent -> first text chunk) and ITL (gaps between text chunks; a chunk is one token unless text was
 held back at a partial character or a possible stop string) are measured by the clients under load. RSS of the server
 process (which also hosts the client threads) is sampled every second over the load phase.
+
+The server's KV block pool holds --kv-tokens (default: max_batch x (512 + max_tokens), every client's worst case)
+or --kv-budget-mb; a smaller pool admits by free blocks and preempts when it runs out (preemptions are reported).
+The list has 32 distinct requests and repeats: with prefix caching (the default) a repeated prompt reuses its
+cached blocks, as a server would in practice; --no-prefix-cache measures every prompt prefilled in full.
 
 The model is SmolLM2-135M's INT4 checkpoint when one is in ~/.cache/specquant/checkpoints, else the float model.
 """
@@ -152,6 +158,11 @@ def main() -> None:
     parser.add_argument("--prompts", default="open", help="prompt set")
     parser.add_argument("--max-batch", type=int, default=None, help="default: --clients")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool in tokens (default: every client's "
+                        "worst case)")
+    parser.add_argument("--kv-budget-mb", type=float, default=None, help="KV pool in MiB (instead of --kv-tokens)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt in full")
     parser.add_argument("--out", default=None, help="write the result JSON here")
     args = parser.parse_args()
 
@@ -162,8 +173,10 @@ def main() -> None:
     requests = request_list(loaded.tokenizer, args.prompts, 8)
     max_batch = args.max_batch or args.clients
     settings = ServeSettings(model_id="bench", max_batch=max_batch, max_queue=4 * args.clients,
-                             max_kv_tokens=max_batch * (max(PROMPT_LENGTHS) + args.max_tokens),
-                             max_seq_len=max(PROMPT_LENGTHS) + args.max_tokens + 16, max_tokens=args.max_tokens)
+                             max_kv_tokens=args.kv_tokens or max_batch * (max(PROMPT_LENGTHS) + args.max_tokens),
+                             max_seq_len=max(PROMPT_LENGTHS) + args.max_tokens + 16, max_tokens=args.max_tokens,
+                             kv_budget_mb=args.kv_budget_mb, block_size=args.block_size,
+                             prefix_cache=not args.no_prefix_cache)
     print(f"{loaded.name} ({loaded.precision.name}); {len(requests)} distinct requests of "
           f"{'/'.join(map(str, PROMPT_LENGTHS))}-token prompts, {args.max_tokens} new tokens, greedy")
     with BackgroundServer(build_state(loaded, settings)) as server:
@@ -175,11 +188,18 @@ def main() -> None:
         print(f"{args.clients} concurrent clients for {args.duration:g} s ...", flush=True)
         rss: list = []
         concurrent = run_concurrent(server.url, "bench", requests, args.max_tokens, args.clients, args.duration, rss)
-        peak_batch = server.state.scheduler.peak_batch
+        scheduler = server.state.scheduler
+        peak_batch = scheduler.peak_batch
+        pool = scheduler.cache.pool
+        kv = {"blocks": pool.num_blocks, "block_size": pool.block_size,
+              "pool_mb": scheduler.cache.storage.nbytes / 2**20, "peak_blocks_used": scheduler.peak_blocks_used,
+              "preemptions": scheduler.preemptions,
+              "prefix_cache": not args.no_prefix_cache, "prefix_hit_rate": pool.stats.hit_rate,
+              "evictions": pool.stats.evictions}
     ratio = concurrent["tokens_per_s"] / sequential["tokens_per_s"] if sequential["tokens_per_s"] else None
     result = {"model": loaded.name, "dtype": loaded.precision.name, "clients": args.clients, "max_batch": max_batch,
               "max_tokens": args.max_tokens, "prompt_lengths": PROMPT_LENGTHS, "sequential": sequential,
-              "concurrent": concurrent, "throughput_ratio": ratio, "peak_batch": peak_batch,
+              "concurrent": concurrent, "throughput_ratio": ratio, "peak_batch": peak_batch, "kv": kv,
               "rss": rss_summary(rss), "rss_samples": rss}
     s, c = sequential, concurrent
     print(f"one at a time: {s['requests']} requests, {s['errors']} errors, {s['tokens_per_s']:.1f} tok/s, "
@@ -187,6 +207,10 @@ def main() -> None:
     print(f"{args.clients} clients:   {c['requests']} requests, {c['errors']} errors, {c['tokens_per_s']:.1f} tok/s "
           f"(x{ratio:.2f}), TTFT p50 {c['ttft_ms']['p50']:.0f} / p99 {c['ttft_ms']['p99']:.0f} ms, "
           f"ITL p50 {c['itl_ms']['p50']:.1f} / p99 {c['itl_ms']['p99']:.1f} ms, peak batch {peak_batch}")
+    print(f"KV pool: {kv['blocks']} blocks of {kv['block_size']} ({kv['pool_mb']:.0f} MiB), peak "
+          f"{kv['peak_blocks_used']} used, {kv['preemptions']} preemptions, prefix cache "
+          f"{'hit rate ' + format(kv['prefix_hit_rate'], '.0%') if kv['prefix_cache'] else 'off'}, "
+          f"{kv['evictions']} evictions")
     r = result["rss"]
     if "first_mb" in r:
         print(f"RSS under load: first {r['first_mb']:.0f} MB, last {r['last_mb']:.0f} MB, max {r['max_mb']:.0f} MB, "

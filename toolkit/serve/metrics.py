@@ -48,7 +48,8 @@ class ServerMetrics:
         self.cow_copies = Counter("specquant_kv_cow_copies", "shared KV blocks copied before a write", registry=r)
         self.preemptions = Counter("specquant_preemptions", "sequences preempted (blocks freed, recomputed later) "
                                    "because the KV pool ran out", registry=r)
-        self.queue = Gauge("specquant_queue_length", "requests waiting to be admitted (preempted ones included)", registry=r)
+        self.queue = Gauge("specquant_queue_length", "requests waiting to be admitted (preempted ones included)",
+                           registry=r)
         self.batch = Gauge("specquant_batch_size", "sequences in the running batch", registry=r)
         self.acceptance = Gauge("specquant_spec_acceptance_rate", "speculative decoding acceptance rate "
                                 "(NaN: speculative decoding is not used by this server)", registry=r)

@@ -75,6 +75,7 @@ class Scheduler:
         self._step_s = 0.05  # recent decode step time, for Retry-After
         self.peak_batch = 0  # the most rows one decode step has run (tests check batching really happened)
         self.preemptions = 0
+        self.peak_blocks_used = 0
         metrics.kv_blocks_total.set(self.cache.pool.num_blocks)
         metrics.kv_allocated.set(self.cache.storage.nbytes)
         self._publish()
@@ -290,6 +291,7 @@ class Scheduler:
         m.kv_bytes.set(self.cache.nbytes)
         m.kv_tokens.set(sum(s.kv.length for s in self.running if s.kv is not None))
         m.publish_pool(self.cache.pool)
+        self.peak_blocks_used = max(self.peak_blocks_used, self.cache.pool.used)
 
 
 @functools.cache
