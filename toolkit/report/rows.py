@@ -78,6 +78,8 @@ def build_rows(results: list[dict], data: str | None = None) -> list[Row]:
     for result in results:
         if result.get("kind") == "eval" and data and not str(result.get("data", "")).startswith(data):
             continue
+        if (result.get("config") or {}).get("bench"):  # a dedicated benchmark (e.g. paged KV): no speed row
+            continue
         key = config_key(result)
         row = rows.setdefault(key, Row(*key, label=", ".join([model_label(key[0]), f"kv {key[1]}",
                                                                 f"spec {key[2]}"])))
