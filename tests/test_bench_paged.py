@@ -30,9 +30,9 @@ def test_result_written_and_stored(ran):
     returned, written, stored, store = ran
     assert written["kind"] == "bench" and written["kv"] == "paged" and written["config"]["bench"] == "paged"
     assert len(stored) == 1 and stored[0]["capacity"] == written["capacity"] == returned["capacity"]
-    # `specquant report` reads it as its own row (kv paged), not as the plain model's speed
+    # `specquant report` reads the store without error and makes no speed row of it (not the plain model's)
     results, bad = read_store(store)
-    assert bad == 0 and [(row.kv, row.spec) for row in build_rows(results)] == [("paged", "none")]
+    assert bad == 0 and len(results) == 1 and build_rows(results) == []
     assert written["dtype"] == "fp32"
     assert set(written["acceptance"]) == {"capacity_3x", "prefix_ttft_5x", "itl_within_10pct"}
 
