@@ -64,6 +64,7 @@ fp32 on SmolLM2.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -77,6 +78,7 @@ from toolkit.quant.kernels import (
     INT8_BF16_K_MULTIPLE,
     int4_zeros_from_zero_point,
 )
+from toolkit.quant import int8_dynamic
 from toolkit.quant.primitives import pack_int4_rows
 from toolkit.quant.quantized_weight import QuantizedWeight
 
@@ -87,6 +89,12 @@ medians in the module docstring: int4 at 128 rows 2768 (kernel) vs 2890 us, i.e.
 UPCAST_MIN_ROWS=4 because dequantizing is a fixed per-call cost that a float-weight layer does not pay, so decode
 and verify batches always stay on the kernel."""
 
+INT8_DYNAMIC_MIN_ROWS = 64
+"""int8pack products with at least this many rows run int8 x int8 (`toolkit.quant.int8_dynamic`: activations
+quantized per row to 7 bits, 16 outlier channels in fp32); between KERNEL_MAX_ROWS and this, dequantize + fp32.
+Its fixed cost (~0.4 ms weight reorder, ~0.2 ms oneDNN call, ~0.1 ms outlier product) is repaid at ~64 rows, where
+it meets the dequant path (1560 vs 1596 us); at 2048 rows it is 1.55x faster (table in the module docstring)."""
+
 _DEQUANT_BLOCK_ELEMS = 1 << 22  # dequantize at most ~4M weights (16 MB fp32) at a time
 _INT4PACK_BLOCK_N = 32  # output rows per block of the CPU int4 packed layout (AVX2); verified at construction
 _ALIGN = 64  # the bf16 int8 kernel uses aligned loads (see kernels.py)
@@ -94,6 +102,10 @@ _ALIGN = 64  # the bf16 int8 kernel uses aligned loads (see kernels.py)
 
 class QuantLinear(torch.nn.Module):
     """A Linear layer over packed low-bit weights; build it with `QuantLinear.from_quantized`."""
+
+    int8_activations = True
+    """int8pack layers run products of `kernel_max_rows` rows or more int8 x int8 (activations quantized per row,
+    7 bits); False: dequantize + fp32 F.linear, exact but slower. Set it with `exact_prefill`."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, kernel: str):
         super().__init__()
@@ -193,10 +205,16 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        y = None
         if 0 < rows < self.kernel_max_rows:
             y = self._kernel(x.reshape(rows, self.in_features))
             y = y.to(x.dtype)
-        else:
+        elif rows >= INT8_DYNAMIC_MIN_ROWS and self._runs_int8_dynamic(x):
+            y = int8_dynamic.linear(x.reshape(rows, self.in_features).float().contiguous(), self.weight_int8,
+                                    self.scale, torch.zeros(self.out_features, dtype=torch.int32),
+                                    int8_dynamic.outlier_channels(self.in_features))
+            y = None if y is None else y.to(x.dtype)  # None: x holds inf/nan, left to the exact path
+        if y is None:
             compute = x.dtype if _native_matmul(x.dtype, x.device) else torch.float32
             x2 = x.reshape(rows, self.in_features).to(compute)
             fresh = x2.requires_grad and torch.is_grad_enabled()  # autograd would keep the scratch buffer
@@ -206,6 +224,12 @@ class QuantLinear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _runs_int8_dynamic(self, x: torch.Tensor) -> bool:
+        """int8pack prefill: int8 x int8 with per-call activation quantization (`toolkit.quant.int8_dynamic`),
+        unless switched off (`exact_prefill`), autograd needs the input, or this torch lacks the oneDNN ops."""
+        return (self.kernel == "int8pack" and QuantLinear.int8_activations and x.device.type == "cpu"
+                and not (x.requires_grad and torch.is_grad_enabled()) and int8_dynamic.available())
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         xb = x2.to(FAST_DTYPE)
@@ -261,7 +285,9 @@ class QuantLinear(torch.nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every buffer this module holds: packed weights, scales/zeros (all copies), bias."""
+        """Bytes of every buffer this module holds: packed weights, scales/zeros (all copies), bias. Not counted:
+        per-call temporaries (the int8 prefill path's reordered weight copy, ~1 byte per weight, lives for one
+        product only, like the dequant path's fp32 scratch)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
@@ -271,6 +297,17 @@ class QuantLinear(torch.nn.Module):
         if self.kernel_group_size is not None and self.kernel_group_size != self.group_size:
             s += f" (group {self.kernel_group_size})"
         return s + f", bias={self.bias is not None}"
+
+
+@contextlib.contextmanager
+def exact_prefill():
+    """Within the block, int8pack layers run many-row products on the exact dequantize + fp32 path (no activation
+    quantization): for quality baselines, or when the int8 x int8 path's error matters more than its speed."""
+    previous, QuantLinear.int8_activations = QuantLinear.int8_activations, False
+    try:
+        yield
+    finally:
+        QuantLinear.int8_activations = previous
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -361,32 +398,43 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
     return buf[:numel]
 
 
-def _bench(n: int = 1536, k: int = 576, rows=(1, 4, 8, 16, 32, 48, 64, 128), reps: int = 30) -> None:
-    """Print the table in the module docstring for an n x k layer on this machine."""
+def _bench(n: int = 1536, k: int = 576, rows=(1, 4, 8, 16, 32, 48, 64, 128, 512, 2048), reps: int = 20) -> None:
+    """Print the table in the module docstring for an n x k layer on this machine: microseconds per call, the best
+    of `reps` (on a shared machine the best is the least disturbed; the median drifts with other jobs)."""
     import time
 
     from toolkit.quant.primitives import QuantConfig, choose_qparams, quantize
 
     def timed(f):
-        for _ in range(3):
-            f()
-        t0 = time.perf_counter()
+        f()
+        best = float("inf")
         for _ in range(reps):
+            t0 = time.perf_counter()
             f()
-        return (time.perf_counter() - t0) / reps * 1e6
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e6
 
     w = torch.randn(n, k)
+    table = {}
     for bits, gs in ((4, 64), (8, -1)):
         config = QuantConfig(bits=bits, group_size=gs)
         scale, zero = choose_qparams(w, config)
         layer = QuantLinear.from_quantized(QuantizedWeight(quantize(w, scale, zero, config), scale, zero, config))
+        z = torch.zeros(n, dtype=torch.int32)
         for m in rows:
             x = torch.randn(m, k)
-            kern = timed(lambda: layer._kernel(x).float())
-            deq = timed(lambda: F.linear(x, layer._weight_block(0, n, torch.float32)))
-            ref = timed(lambda: F.linear(x, w))
-            print(f"{layer.kernel:9s} rows={m:4d} kernel={kern:7.0f} us  dequant+fp32={deq:7.0f} us  "
-                  f"fp32 F.linear={ref:7.0f} us")
+            table.setdefault(f"int{bits} kernel (bf16 act)", []).append(timed(lambda: layer._kernel(x).float()))
+            table.setdefault(f"int{bits} dequant + fp32 F.linear", []).append(
+                timed(lambda: F.linear(x, layer._weight_block(0, n, torch.float32))))
+            if layer.kernel == "int8pack" and int8_dynamic.available():
+                table.setdefault("int8 x int8 (7-bit act, 16 outl.)", []).append(timed(
+                    lambda: int8_dynamic.linear(x, layer.weight_int8, layer.scale, z, int8_dynamic.outlier_channels(k))))
+            if bits == 8:
+                table.setdefault("fp32 F.linear, float weight", []).append(timed(lambda: F.linear(x, w)))
+    print(f"{n}x{k} layer, {torch.get_num_threads()} threads, best of {reps}, microseconds")
+    print(f"{'rows':34s}" + "".join(f"{m:>7d}" for m in rows))
+    for label, values in table.items():
+        print(f"{label:34s}" + "".join(f"{v:7.0f}" for v in values))
 
 
 if __name__ == "__main__":
