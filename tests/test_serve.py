@@ -513,3 +513,17 @@ def test_smollm2_prefix_reuse_and_preemption_match_generate(smollm2):
     assert [d["token_ids"] for d in done] == [s.token_ids for s in expected]
     assert streamed == [s.text for s in expected]
     _assert_pool_empty(scheduler)
+
+
+def test_kv_pool_sizing_by_tokens_or_megabytes(loaded):
+    from toolkit.errors import InputError
+    from toolkit.kv.paged import PagedKVCache
+
+    by_tokens = build_state(loaded, ServeSettings(max_kv_tokens=1000, block_size=16)).scheduler
+    assert by_tokens.cache.pool.num_blocks == 63 and by_tokens.kv_capacity_tokens == 1008  # rounded up to blocks
+    per_block = PagedKVCache.bytes_per_block(loaded.model, 8)
+    by_bytes = build_state(loaded, ServeSettings(kv_budget_mb=1, block_size=8)).scheduler
+    assert by_bytes.cache.pool.num_blocks == 2**20 // per_block and by_bytes.cache.storage.nbytes <= 2**20
+    assert by_bytes.fits(by_bytes.kv_capacity_tokens) and not by_bytes.fits(by_bytes.kv_capacity_tokens + 1)
+    with pytest.raises(InputError, match="kv_budget_mb"):
+        build_state(loaded, ServeSettings(kv_budget_mb=per_block / 2**21))
