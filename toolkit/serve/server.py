@@ -46,7 +46,7 @@ def build_state(loaded, settings: ServeSettings) -> ServerState:
         if settings.kv_budget_mb * 2**20 < per_block:
             raise InputError(f"kv_budget_mb={settings.kv_budget_mb} holds no KV block: one block of "
                              f"{settings.block_size} tokens takes {per_block / 2**20:.3g} MiB for this model",
-                             f"raise kv_budget_mb, or set it to null to size the pool by max_kv_tokens")
+                             "raise kv_budget_mb, or set it to null to size the pool by max_kv_tokens")
     if max_seq_len > context:
         raise InputError(f"max_seq_len={max_seq_len} exceeds the model's context of {context} tokens",
                          f"use max_seq_len<={context} or null")
