@@ -347,3 +347,19 @@ def test_int8_paged_generation_agrees_with_fp_smollm2(smollm2):
     print(f"SmolLM2 paged int8 KV (block 16, residual 32, value group 32) greedy agreement with fp paged over "
           f"{len(prompts)} x {steps} tokens: {agreement:.3f}")
     assert agreement >= 0.9
+
+
+def test_a_storage_built_in_inference_mode_is_sealed_and_reset_outside_it(tiny_model):
+    model, tokenizer = tiny_model
+    with torch.inference_mode():  # as a server builds it; bind/commit then run outside (seal, reset, copy)
+        cache = paged_cache_for(model, {"kind": "int4", "residual": 8}, 32, 8)
+    prompt = _prompts(tokenizer)[0]
+    for tokens in (prompt, prompt[:20] + [9, 9]):  # the second reuses 2 sealed blocks and writes into fresh ones
+        seq = cache.new_sequence(tokens)
+        for new in ([tokens[seq.length:]], [[5]], [[6]]):
+            positions, mask = cache.bind([seq], new)
+            with torch.inference_mode():
+                model(input_ids=torch.tensor(new), position_ids=positions, attention_mask=mask, cache=cache)
+            cache.commit()
+        cache.free(seq)
+    assert seq.cached_tokens == 16 and cache.storage.is_sealed(cache.pool.lookup(0, tuple(prompt[:8])))

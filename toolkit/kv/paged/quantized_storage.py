@@ -149,6 +149,7 @@ class QuantizedBlockStorage:
         self._pending.append(block)
         self._version += 1
 
+    @torch.inference_mode()  # the cache calls it outside the model call; the buffers may be inference tensors
     def reset_block(self, block: int) -> None:
         self.settle()
         self.sealed[block] = False
@@ -157,6 +158,7 @@ class QuantizedBlockStorage:
             self._give_slot(block, self._take_slot())
         self._version += 1
 
+    @torch.inference_mode()
     def copy_block(self, src: int, dst: int) -> None:
         """dst (just reset) takes src's state: its codes and scales if sealed, else its staged tokens."""
         self.settle()
@@ -233,22 +235,27 @@ class QuantizedBlockStorage:
         # unsealed blocks without a slot are padding (slot 0 of a free block): any finite staged value will do
         open_slots = flat[open_pos]
         open_index = self._slot_t[open_slots // B].clamp_min(0) * B + open_slots % B
+        # key scales are per block: read each sealed block's once (as fp32) and expand per slot from there
+        sealed_blocks, per_slot = torch.unique(blocks[sealed_pos], return_inverse=True)
         self._plan_key = key  # holds `index`, so its id cannot be reused by another tensor while cached
-        self._plan = (sealed_pos, flat[sealed_pos], blocks[sealed_pos], open_pos, open_index)
+        self._plan = (sealed_pos, flat[sealed_pos], (sealed_blocks, per_slot), open_pos, open_index)
         return self._plan
 
-    def _dequantize(self, layer: int, slots: torch.Tensor, blocks: torch.Tensor):
-        """Keys and values [H, m, D] of m sealed slots."""
+    def _dequantize(self, layer: int, slots: torch.Tensor, blocks: tuple[torch.Tensor, torch.Tensor]):
+        """Keys and values [H, m, D] of m sealed slots; `blocks`: their distinct blocks and each slot's rank there."""
         H, D, vg, m = self.kv_heads, self.head_dim, self.value_group, len(slots)
+        distinct, rank = blocks
         kc = unpack(self.k_codes[layer].index_select(1, slots), self.bits)
-        k = dequantize_groups(kc, self.k_scale[layer].index_select(1, blocks),
-                              self.k_min[layer].index_select(1, blocks), self.dtype)
+        k_scale = self.k_scale[layer].index_select(1, distinct).float().index_select(1, rank)
+        k_min = self.k_min[layer].index_select(1, distinct).float().index_select(1, rank)
+        k = dequantize_groups(kc, k_scale, k_min, self.dtype)
         vc = unpack(self.v_codes[layer].index_select(1, slots), self.bits).view(H, m, D // vg, vg)
         v = dequantize_groups(vc, self.v_scale[layer].index_select(1, slots)[..., None],
                               self.v_min[layer].index_select(1, slots)[..., None], self.dtype)
         return k, v.view(H, m, D)
 
     # --- sealing ------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def settle(self) -> None:
         """Quantize every block marked sealed since the last read or write (all at once) and free their slots."""
         if not self._pending:
