@@ -265,3 +265,24 @@ def test_paged_equals_engine_on_smollm2_with_a_shared_system_prompt(smollm2):
     outs, seqs = _paged_greedy(model, cache, prompts, 12)
     assert [s.cached_tokens for s in seqs][1:] == [192, 192]
     assert outs == expected
+
+
+def test_without_prefix_cache_nothing_is_registered_or_kept(tiny_model):
+    model, tokenizer = tiny_model
+    prompts = _prompts(tokenizer)
+    cache = PagedKVCache(model, num_blocks=128, block_size=8, prefix_cache=False)
+    outs, seqs = _paged_greedy(model, cache, prompts, 6)
+    assert not cache.pool.key_of and cache.pool.stats.prefix_queries == 0
+    for s in seqs:
+        cache.free(s)
+    assert cache.pool.available == cache.pool.num_blocks and not cache.pool.cached
+    cache.pool.check()
+
+
+def test_peek_prefix_retains_and_counts_nothing():
+    pool = BlockPool(4, 2)
+    a = pool.allocate()
+    pool.register(a, 0, (1, 2))
+    pool.release(a)
+    assert pool.peek_prefix([1, 2, 3, 4, 5], 4) == [a]
+    assert pool.used == 0 and pool.stats.prefix_queries == 0

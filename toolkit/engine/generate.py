@@ -43,14 +43,14 @@ def context_length(model) -> int:
 
 
 @functools.cache
-def _takes_logits_to_keep(model_class) -> bool:
+def takes_logits_to_keep(model_class) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def _forward(model, input_ids, attention_mask, position_ids, cache, forward=None) -> torch.Tensor:
     forward = forward or model
     # prefill only needs the last position's logits: skip a [T, vocab] matmul
-    kwargs = {"logits_to_keep": 1} if _takes_logits_to_keep(type(model)) else {}
+    kwargs = {"logits_to_keep": 1} if takes_logits_to_keep(type(model)) else {}
     start = cache.length
 
     def run():

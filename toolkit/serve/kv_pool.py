@@ -9,13 +9,13 @@ blocks than the whole pool can never run, and is refused at submission.
 from dataclasses import dataclass
 
 from toolkit.kv.paged import PagedKVCache
-from toolkit.kv.paged.pool import ROOT
 
 
-def make_cache(model, max_kv_tokens: int, block_size: int, kv_budget_mb: float | None) -> PagedKVCache:
+def make_cache(model, max_kv_tokens: int, block_size: int, kv_budget_mb: float | None,
+               prefix_cache: bool = True) -> PagedKVCache:
     if kv_budget_mb is not None:
-        return PagedKVCache.with_budget(model, int(kv_budget_mb * 2**20), block_size)
-    return PagedKVCache(model, -(-max_kv_tokens // block_size), block_size)
+        return PagedKVCache.with_budget(model, int(kv_budget_mb * 2**20), block_size, prefix_cache=prefix_cache)
+    return PagedKVCache(model, -(-max_kv_tokens // block_size), block_size, prefix_cache=prefix_cache)
 
 
 @dataclass(frozen=True)
@@ -28,18 +28,10 @@ def prefill_cost(cache: PagedKVCache, ids: list[int], reuse_prefix: bool) -> Pre
     """What admitting a sequence of context `ids` costs, without admitting it (no blocks retained, no prefix-cache
     statistics counted: a head of the queue waiting for room is looked at every turn).
 
-    Walks the same prefix keys as `cache.new_sequence` (whole blocks, leaving at least one token to run). Matched
+    Peeks at the same prefix keys as `cache.new_sequence` (whole blocks, leaving at least one token to run). Matched
     blocks nobody references are in `pool.available` now and leave it once retained; the rest of the prompt takes
     fresh blocks (it starts at a block boundary, so no copy-on-write)."""
-    pool, bs = cache.pool, cache.block_size
-    matched = idle = 0
-    parent = ROOT
-    if reuse_prefix:
-        for start in range(0, len(ids) - 1 - bs + 1, bs):
-            block = pool.lookup(parent, tuple(ids[start:start + bs]))
-            if block is None:
-                break
-            matched += 1
-            idle += pool.ref_count[block] == 0
-            parent = pool.key_id[block]
-    return PrefillCost(pool.blocks_for(len(ids)) - matched + idle, len(ids) - matched * bs)
+    pool = cache.pool
+    blocks = pool.peek_prefix(ids, len(ids) - 1) if reuse_prefix and cache.prefix_cache else []
+    idle = sum(pool.ref_count[b] == 0 for b in blocks)
+    return PrefillCost(pool.blocks_for(len(ids)) - len(blocks) + idle, len(ids) - len(blocks) * cache.block_size)

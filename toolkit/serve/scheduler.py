@@ -19,8 +19,6 @@ not sent again, and greedy output does not change. The queue is bounded (`max_qu
 (HTTP 429); a request that needs more blocks than the whole pool is refused by the HTTP layer (`fits`).
 """
 
-import functools
-import inspect
 import logging
 import threading
 import time
@@ -29,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.generate import Detokenizer
+from toolkit.engine.generate import Detokenizer, takes_logits_to_keep
 from toolkit.engine.precision import exact_linears, may_overflow
 from toolkit.engine.sampling import sample
 from toolkit.kv.paged import OutOfBlocks
@@ -65,7 +63,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, stop_tokens: set[int], limits: Limits, metrics: ServerMetrics):
         self.model, self.tokenizer, self.stop_tokens = model, tokenizer, stop_tokens
         self.limits, self.metrics = limits, metrics
-        self.cache = make_cache(model, limits.max_kv_tokens, limits.block_size, limits.kv_budget_mb)
+        self.cache = make_cache(model, limits.max_kv_tokens, limits.block_size, limits.kv_budget_mb, limits.prefix_cache)
         self.device = next(model.parameters()).device
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.waiting: deque[Sequence] = deque()
@@ -214,7 +212,7 @@ class Scheduler:
         position [rows, vocab]. Raises OutOfBlocks, before running anything, if the pool cannot hold the tokens."""
         positions, mask = self.cache.bind([s.kv for s in seqs], new_tokens)
         ids = torch.tensor(new_tokens, device=self.device)
-        kwargs = {"logits_to_keep": 1} if _takes_logits_to_keep(type(self.model)) else {}
+        kwargs = {"logits_to_keep": 1} if takes_logits_to_keep(type(self.model)) else {}
 
         def run():
             return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
@@ -294,6 +292,3 @@ class Scheduler:
         self.peak_blocks_used = max(self.peak_blocks_used, self.cache.pool.used)
 
 
-@functools.cache
-def _takes_logits_to_keep(model_class) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters

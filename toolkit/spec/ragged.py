@@ -14,17 +14,13 @@ Sliding-window layers (Gemma 3) count the window in slots, so holes in a batch s
 sliding-window models are not token-identical to running each sequence alone (one sequence is).
 """
 
-import functools
-import inspect
 
 import torch
 
+from toolkit.engine.generate import takes_logits_to_keep
 from toolkit.engine.precision import exact_linears, may_overflow
 
 
-@functools.cache
-def _takes_logits_to_keep(model_class) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 class RaggedBatch:
@@ -73,7 +69,7 @@ class RaggedBatch:
         return out
 
     def _run(self, ids, mask, positions, keep, start) -> torch.Tensor:
-        kwargs = {"logits_to_keep": keep} if _takes_logits_to_keep(type(self.model)) else {}
+        kwargs = {"logits_to_keep": keep} if takes_logits_to_keep(type(self.model)) else {}
 
         def run():
             out = self.forward(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,

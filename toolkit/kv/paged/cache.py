@@ -78,7 +78,7 @@ class PagedKVLayer(CacheLayerMixin):
 class PagedKVCache(Cache):
     """Keys/values for any number of sequences in `num_blocks` blocks of `block_size` tokens."""
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, storage=None):
+    def __init__(self, model, num_blocks: int, block_size: int = 16, storage=None, prefix_cache: bool = True):
         config = model.config.get_text_config(decoder=True)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -86,6 +86,7 @@ class PagedKVCache(Cache):
         self.dtype, self.device = _activation_dtype(model), param.device
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
+        self.prefix_cache = prefix_cache  # False: blocks are never registered, so nothing is reused or kept cached
         self.storage = storage or FPBlockStorage(config.num_hidden_layers, num_blocks, block_size, kv_heads,
                                                  head_dim, self.dtype, self.device)
         super().__init__(layers=[PagedKVLayer(self, i) for i in range(config.num_hidden_layers)])
@@ -100,12 +101,12 @@ class PagedKVCache(Cache):
         self._pending: list[list[int]] = []
 
     @classmethod
-    def with_budget(cls, model, budget_bytes: int, block_size: int = 16) -> "PagedKVCache":
+    def with_budget(cls, model, budget_bytes: int, block_size: int = 16, **kwargs) -> "PagedKVCache":
         """As many blocks as `budget_bytes` holds."""
         per_block = cls.bytes_per_block(model, block_size)
         if budget_bytes < per_block:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no {per_block}-byte block")
-        return cls(model, budget_bytes // per_block, block_size)
+        return cls(model, budget_bytes // per_block, block_size, **kwargs)
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
@@ -120,7 +121,7 @@ class PagedKVCache(Cache):
         """A sequence holding the longest cached prefix of `prompt_ids` (whole blocks, leaving at least one token
         to run so the caller gets its logits); `prompt_ids[seq.length:]` is what remains to prefill."""
         seq = PagedSequence()
-        if reuse_prefix:
+        if reuse_prefix and self.prefix_cache:
             blocks, parent = self.pool.match_prefix(prompt_ids, len(prompt_ids) - 1)
             seq.blocks = blocks
             seq.tokens = list(prompt_ids[:len(blocks) * self.block_size])
@@ -193,7 +194,7 @@ class PagedKVCache(Cache):
         bs = self.block_size
         for seq, new in zip(self.batch, self._pending):
             seq.tokens.extend(int(t) for t in new)
-            for j in range(len(seq.key_ids), seq.length // bs):
+            for j in range(len(seq.key_ids), seq.length // bs if self.prefix_cache else 0):
                 parent = seq.key_ids[-1] if seq.key_ids else ROOT
                 seq.key_ids.append(self.pool.register(seq.blocks[j], parent, tuple(seq.tokens[j * bs:(j + 1) * bs])))
             residual = self.storage.residual_tokens

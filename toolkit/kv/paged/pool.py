@@ -128,23 +128,29 @@ class BlockPool:
         if block in self.key_of:
             self._unregister(block)
 
-    def match_prefix(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
-        """The cached blocks covering the longest prefix of `token_ids` (at most `max_tokens` tokens, whole blocks
-        only) and the key id that prefix ends at. The blocks are retained for the caller."""
+    def peek_prefix(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        """The registered blocks covering the longest prefix of `token_ids` (at most `max_tokens` tokens, whole
+        blocks only), in order. A dry look: nothing retained, nothing counted (admission prices a waiting request
+        with it every turn)."""
         bs = self.block_size
         blocks, parent = [], ROOT
         for start in range(0, max_tokens - bs + 1, bs):
-            self.stats.prefix_queries += 1
             block = self.lookup(parent, tuple(token_ids[start:start + bs]))
             if block is None:
-                # count the blocks that were not even looked up as misses too, so the rate is per prompt block
-                self.stats.prefix_queries += (max_tokens - start) // bs - 1
                 break
-            self.stats.prefix_hits += 1
-            self.retain(block)
             blocks.append(block)
             parent = self.key_id[block]
-        return blocks, parent
+        return blocks
+
+    def match_prefix(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        """`peek_prefix`, and the blocks retained for the caller; returns them and the key id their prefix ends at.
+        Counts one query per whole prompt block (found or not), so the hit rate is per prompt block."""
+        blocks = self.peek_prefix(token_ids, max_tokens)
+        self.stats.prefix_queries += max(0, max_tokens // self.block_size)
+        self.stats.prefix_hits += len(blocks)
+        for block in blocks:
+            self.retain(block)
+        return blocks, (self.key_id[blocks[-1]] if blocks else ROOT)
 
     def check(self) -> None:
         """Invariants (tests call this): every block in exactly one state; keys and blocks agree."""
