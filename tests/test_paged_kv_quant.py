@@ -112,7 +112,7 @@ def test_sealed_blocks_change_little_and_free_their_staging(tiny_model, kind):
     assert cache.pool.used == 0
 
 
-# ---- sealed blocks ----------------------------------------------------------------------------------------------------
+# ---- sealed blocks ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_sealed_block_error_within_the_quantizers_bound(bits):
@@ -303,6 +303,7 @@ def test_attached_storage_takes_staging_back_from_idle_blocks(tiny_model):
     cache = paged_cache_for(model, {"kind": "int4", "residual": 64}, 48, 8, staging_slots=6)
     fp = PagedKVCache(model, 48, 8)
     for prompt in prompts:
+        assert cache.storage.staging_available == 6  # every slot is free or held by an idle block
         (seq,), tokens, _ = _generate(model, cache, [prompt], 8)
         (ref,), ref_tokens, _ = _generate(model, fp, [prompt], 8)
         assert tokens == ref_tokens
@@ -311,6 +312,15 @@ def test_attached_storage_takes_staging_back_from_idle_blocks(tiny_model):
         cache.pool.check()
     assert cache.pool.stats.evictions > 0
     assert cache.pool.used == 0
+
+
+def test_without_prefix_caching_freed_blocks_give_their_staging_back(tiny_model):
+    model, tokenizer = tiny_model
+    cache = paged_cache_for(model, "int8", 48, 8, prefix_cache=False, staging_slots=5)
+    for prompt in _prompts(tokenizer):
+        (seq,), _, _ = _generate(model, cache, [prompt[:30]], 6)
+        cache.free(seq)
+    assert cache.pool.stats.evictions == 0 and cache.storage.staging_available == 5
 
 
 # ---- factory ---------------------------------------------------------------------------------------------------------

@@ -125,8 +125,17 @@ class QuantizedBlockStorage:
 
     @property
     def staging_free(self) -> int:
-        """Staging slots held by no block (slots idle blocks hold can still be reclaimed once attached)."""
+        """Staging slots held by no block."""
         return len(self.free_slots)
+
+    @property
+    def staging_available(self) -> int:
+        """Staging slots new blocks can get: free ones, plus (once attached) those of blocks no live sequence
+        references. What admission should check besides `pool.available`: a prefill of P new tokens stages
+        ceil(P / block_size) blocks until its commit."""
+        if self.pool is None:
+            return len(self.free_slots)
+        return len(self.free_slots) + sum(b != _NO_SLOT and self.pool.ref_count[b] == 0 for b in self.owner)
 
     # --- the pool ---------------------------------------------------------------------------------------------------
     def attach(self, pool) -> None:
@@ -395,12 +404,13 @@ def paged_storage_for(model, kv_cfg, num_blocks: int, block_size: int = 16, stag
                                  value_group=cfg.group_size)
 
 
-def paged_cache_for(model, kv_cfg, num_blocks: int, block_size: int = 16, **storage_options):
+def paged_cache_for(model, kv_cfg, num_blocks: int, block_size: int = 16, prefix_cache: bool = True,
+                    **storage_options):
     """A `PagedKVCache` on `paged_storage_for`'s storage, attached to its pool (see `QuantizedBlockStorage.attach`)."""
     from toolkit.kv.paged.cache import PagedKVCache
 
     storage = paged_storage_for(model, kv_cfg, num_blocks, block_size, **storage_options)
-    cache = PagedKVCache(model, num_blocks, block_size, storage=storage)
+    cache = PagedKVCache(model, num_blocks, block_size, storage=storage, prefix_cache=prefix_cache)
     if hasattr(storage, "attach"):
         storage.attach(cache.pool)
     return cache
