@@ -9,7 +9,7 @@ A block is in one of two states:
     kv.group_size for keys), values per token over groups of Gv = min(kv.group_size, head_dim) channels, fp16
     scale and minimum, codes packed along the head dim. Sealing gives its staging slot back.
 
-Layout per layer (H kv heads, D head dim, N blocks of B tokens, S staging slots, b bits), slot-major as FP blocks:
+Layout per layer (L layers, H kv heads, D head dim, N blocks of B tokens, S staging slots, b bits), slot-major as FP blocks:
     k_codes, v_codes    uint8 [H, N*B, D*b/8]
     k_scale, k_min      fp16  [H, N, D]          (per channel per block)
     v_scale, v_min      fp16  [H, N*B, D/Gv]     (per token per channel group)
@@ -25,7 +25,8 @@ fresh sequence holds ceil(P / B) until its commit seals them (`staging_slots_for
 slot while it is free or cached in the pool; once the storage is `attach`ed to the pool it takes slots back from
 free blocks, then evicts least recently used cached unsealed blocks (the pool would evict them anyway; evicting,
 not sealing, keeps every block's state the one its sequences expect). Only when every slot belongs to a block some
-live sequence references does it raise OutOfBlocks.
+live sequence references does it raise OutOfBlocks. `paged_cache_for` builds the cache and attaches; a storage
+passed to `PagedKVCache(..., storage=...)` by hand needs `storage.attach(cache.pool)`.
 
 Sealing is deferred: `seal_block` marks the block and the next read or write quantizes every pending block at once
 (one quantize per layer for a whole prefill, not one per block). `gather` dequantizes the sealed slots it is asked
