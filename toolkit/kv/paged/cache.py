@@ -89,6 +89,9 @@ class PagedKVCache(Cache):
         self.prefix_cache = prefix_cache  # False: blocks are never registered, so nothing is reused or kept cached
         self.storage = storage or FPBlockStorage(config.num_hidden_layers, num_blocks, block_size, kv_heads,
                                                  head_dim, self.dtype, self.device)
+        attach = getattr(self.storage, "attach", None)
+        if attach is not None:  # a storage that reclaims its staging from idle blocks needs to see the pool
+            attach(self.pool)
         super().__init__(layers=[PagedKVLayer(self, i) for i in range(config.num_hidden_layers)])
         self.layer_types = list(getattr(config, "layer_types", None) or [])
         self.sliding_window = getattr(config, "sliding_window", None)
@@ -141,9 +144,13 @@ class PagedKVCache(Cache):
         """Roll `seq` back to its first `length` tokens; whole blocks past them go back to the pool."""
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot crop a sequence of {seq.length} tokens to {length}")
-        if length < seq.sealed * self.block_size:
-            raise ValueError(f"cannot crop to {length} tokens: the first {seq.sealed * self.block_size} are sealed "
-                             f"(quantized); a rollback may reach back at most the storage's residual_tokens")
+        bs = self.block_size
+        sealed_end = seq.sealed * bs
+        if length % bs and self.storage.is_sealed(seq.blocks[length // bs]):  # sealed by a sequence sharing it
+            sealed_end = (length // bs + 1) * bs
+        if length < sealed_end:
+            raise ValueError(f"cannot crop to {length} tokens: the first {sealed_end} are sealed (quantized); a "
+                             f"rollback may reach back at most the storage's residual_tokens")
         keep = self.pool.blocks_for(length)
         for block in seq.blocks[keep:]:
             self.pool.release(block)
@@ -222,7 +229,11 @@ class PagedKVCache(Cache):
 
     def _allocate(self) -> int:
         block = self.pool.allocate()
-        self.storage.reset_block(block)  # whatever it held (an evicted prefix) is gone
+        try:
+            self.storage.reset_block(block)  # whatever it held (an evicted prefix) is gone
+        except BaseException:  # e.g. a quantized storage out of staging: the block must not leak
+            self.pool.release(block)
+            raise
         return block
 
     def _masks(self, visible: torch.Tensor, positions: torch.Tensor, cols: torch.Tensor):

@@ -79,6 +79,15 @@ class BlockPool:
         self.ref_count[block] = 1
         return block
 
+    def evict(self, block: int) -> None:
+        """Forget a cached (unreferenced, registered) block now and free it, as allocation's LRU eviction does."""
+        if block not in self.cached:
+            raise RuntimeError(f"block {block} is not cached")
+        del self.cached[block]
+        self._unregister(block)
+        self.free.append(block)
+        self.stats.evictions += 1
+
     def retain(self, block: int) -> None:
         if self.ref_count[block] == 0:
             self.cached.pop(block, None)  # back in use: no longer a candidate for eviction

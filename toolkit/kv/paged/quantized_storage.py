@@ -327,17 +327,9 @@ class QuantizedBlockStorage:
             return
         for block in list(pool.cached):  # oldest first
             if self.slot_of[block] != _NO_SLOT:
-                _evict_cached(pool, block)
+                pool.evict(block)
                 self._drop_slot(block)
                 return
-
-
-def _evict_cached(pool, block: int) -> None:
-    """Move a cached (unreferenced, registered) block to the free list, as the pool's own LRU eviction does."""
-    del pool.cached[block]
-    pool.unregister(block)
-    pool.free.append(block)
-    pool.stats.evictions += 1
 
 
 # --- sizing -------------------------------------------------------------------------------------------------------
