@@ -96,5 +96,5 @@ def linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, zeros: torch.
                                            1.0, 0, torch.float32, "none", [], "")
     y.mul_(a)
     if n_outliers:
-        y.addmm_(x[:, idx], (w8[:, idx].float() * scale[:, None]).t())
+        y.addmm_(x.index_select(1, idx), (w8.index_select(1, idx).float() * scale[:, None]).t())
     return y
