@@ -4,6 +4,7 @@ requests served one at a time, in one run.
     python -m toolkit.bench.serve [--clients 16] [--duration 120] [--sequential-duration 60] [--max-tokens 128]
                                   [--model CHECKPOINT_OR_NAME] [--prompts open] [--out result.json]
                                   [--kv-tokens N | --kv-budget-mb MB] [--block-size 16] [--no-prefix-cache]
+                                  [--kv fp|int8|int4|int2] [--spec none|lookup] [--spec-k 8] [--spec-max-batch 4]
 
 Protocol: a fixed list of requests (prompts of the --prompts set cut to 128, 256, 384 and 512 tokens in turn, greedy,
 --max-tokens new tokens each, stopping early only at the model's end-of-sequence) is served twice by one server
@@ -19,6 +20,10 @@ The server's KV block pool holds --kv-tokens (default: max_batch x (512 + max_to
 or --kv-budget-mb; a smaller pool admits by free blocks and preempts when it runs out (preemptions are reported).
 The list has 32 distinct requests and repeats: with prefix caching (the default) a repeated prompt reuses its
 cached blocks, as a server would in practice; --no-prefix-cache measures every prompt prefilled in full.
+
+--kv quantizes the KV blocks (the server's kv=); --spec lookup serves with prompt-lookup speculative decoding while
+the batch has at most --spec-max-batch rows (the server's spec=lookup); the acceptance rate is reported. With
+speculation several tokens can reach a client in one scheduler turn, so ITL gaps of ~0 ms appear.
 
 The model is SmolLM2-135M's INT4 checkpoint when one is in ~/.cache/specquant/checkpoints, else the float model.
 """
@@ -163,6 +168,11 @@ def main() -> None:
     parser.add_argument("--kv-budget-mb", type=float, default=None, help="KV pool in MiB (instead of --kv-tokens)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt in full")
+    parser.add_argument("--kv", default="fp", help="KV block kind: fp, int8, int4 or int2")
+    parser.add_argument("--spec", default="none", help="speculative decoding: none or lookup")
+    parser.add_argument("--spec-k", type=int, default=8, help="tokens drafted per round (--spec lookup)")
+    parser.add_argument("--spec-max-batch", type=int, default=4, help="speculate only while the batch has at most "
+                        "this many rows")
     parser.add_argument("--out", default=None, help="write the result JSON here")
     args = parser.parse_args()
 
@@ -176,9 +186,12 @@ def main() -> None:
                              max_kv_tokens=args.kv_tokens or max_batch * (max(PROMPT_LENGTHS) + args.max_tokens),
                              max_seq_len=max(PROMPT_LENGTHS) + args.max_tokens + 16, max_tokens=args.max_tokens,
                              kv_budget_mb=args.kv_budget_mb, block_size=args.block_size,
-                             prefix_cache=not args.no_prefix_cache)
+                             prefix_cache=not args.no_prefix_cache, kv=args.kv,
+                             spec=OmegaConf.create({"kind": args.spec, "k": args.spec_k}),
+                             spec_max_batch=args.spec_max_batch)
     print(f"{loaded.name} ({loaded.precision.name}); {len(requests)} distinct requests of "
-          f"{'/'.join(map(str, PROMPT_LENGTHS))}-token prompts, {args.max_tokens} new tokens, greedy")
+          f"{'/'.join(map(str, PROMPT_LENGTHS))}-token prompts, {args.max_tokens} new tokens, greedy, kv={args.kv}, "
+          f"spec={args.spec}")
     with BackgroundServer(build_state(loaded, settings)) as server:
         # warm-up, untimed: first calls pay one-off costs (kernels, allocator)
         with httpx.Client(timeout=600) as client:
@@ -195,12 +208,17 @@ def main() -> None:
               "pool_mb": scheduler.cache.storage.nbytes / 2**20, "peak_blocks_used": scheduler.peak_blocks_used,
               "preemptions": scheduler.preemptions,
               "prefix_cache": not args.no_prefix_cache, "prefix_hit_rate": pool.stats.hit_rate,
-              "evictions": pool.stats.evictions}
+              "evictions": pool.stats.evictions, "kind": args.kv}
+        spec = {"kind": args.spec, "k": args.spec_k, "max_batch": args.spec_max_batch,
+                "rounds": scheduler.spec_rounds, "proposed": scheduler.spec_proposed,
+                "accepted": scheduler.spec_accepted,
+                "acceptance_rate": scheduler.spec_accepted / scheduler.spec_proposed if scheduler.spec_proposed
+                else None}
     ratio = concurrent["tokens_per_s"] / sequential["tokens_per_s"] if sequential["tokens_per_s"] else None
     result = {"model": loaded.name, "dtype": loaded.precision.name, "clients": args.clients, "max_batch": max_batch,
               "max_tokens": args.max_tokens, "prompt_lengths": PROMPT_LENGTHS, "sequential": sequential,
               "concurrent": concurrent, "throughput_ratio": ratio, "peak_batch": peak_batch, "kv": kv,
-              "rss": rss_summary(rss), "rss_samples": rss}
+              "spec": spec, "rss": rss_summary(rss), "rss_samples": rss}
     s, c = sequential, concurrent
     print(f"one at a time: {s['requests']} requests, {s['errors']} errors, {s['tokens_per_s']:.1f} tok/s, "
           f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, ITL p50 {s['itl_ms']['p50']:.1f} ms")
@@ -211,6 +229,11 @@ def main() -> None:
           f"{kv['peak_blocks_used']} used, {kv['preemptions']} preemptions, prefix cache "
           f"{'hit rate ' + format(kv['prefix_hit_rate'], '.0%') if kv['prefix_cache'] else 'off'}, "
           f"{kv['evictions']} evictions")
+    if args.spec != "none":
+        rate = spec["acceptance_rate"]
+        print(f"spec=lookup k={args.spec_k} (batch <= {args.spec_max_batch}): {spec['rounds']} verify passes, "
+              f"{spec['accepted']}/{spec['proposed']} drafted tokens accepted"
+              + (f" ({rate:.0%})" if rate is not None else ""))
     r = result["rss"]
     if "first_mb" in r:
         print(f"RSS under load: first {r['first_mb']:.0f} MB, last {r['last_mb']:.0f} MB, max {r['max_mb']:.0f} MB, "

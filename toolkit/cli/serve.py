@@ -3,7 +3,6 @@
 from rich.console import Console
 
 from toolkit.engine.setup import load_engine_model
-from toolkit.errors import InputError
 
 console = Console(stderr=True)
 
@@ -11,17 +10,16 @@ console = Console(stderr=True)
 def run(cfg) -> None:
     from toolkit.kv import kv_kind
     from toolkit.serve.server import ServeSettings, build_state, serve_forever
+    from toolkit.serve.speculation import serve_spec
 
-    kind = kv_kind(cfg.kv)
-    if kind != "fp":
-        # the paged pool's quantized block storage is not wired into the server yet
-        raise InputError(f"kv={kind} is not supported by the server yet (its KV block pool is full precision)",
-                         "use kv=fp with specquant serve")
+    serve_spec(cfg.spec, int(cfg.spec_max_batch))  # a spec the server cannot run is refused before the model loads
+    kv_kind(cfg.kv)
     loaded = load_engine_model(cfg.model.name, cfg.engine)
     settings = ServeSettings(host=cfg.host, port=int(cfg.port), api_key=cfg.api_key, model_id=cfg.served_name,
                              max_batch=cfg.max_batch, max_queue=cfg.max_queue, max_kv_tokens=cfg.max_kv_tokens,
                              max_seq_len=cfg.max_seq_len, max_tokens=cfg.max_tokens, kv_budget_mb=cfg.kv_budget_mb,
-                             block_size=int(cfg.block_size), prefix_cache=bool(cfg.prefix_cache))
+                             block_size=int(cfg.block_size), prefix_cache=bool(cfg.prefix_cache), kv=cfg.kv,
+                             spec=cfg.spec, spec_max_batch=int(cfg.spec_max_batch))
     state = build_state(loaded, settings)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         console.print(f"[bold yellow]warning:[/] serving on {cfg.host} without api_key: anyone who can reach it "
@@ -32,5 +30,14 @@ def run(cfg) -> None:
                   f"/v1 | max_batch {limits.max_batch} | max_queue {limits.max_queue} | KV pool {pool.num_blocks} "
                   f"blocks of {pool.block_size} = {scheduler.kv_capacity_tokens} tokens, "
                   f"{scheduler.cache.storage.nbytes / 2**20:.0f} MiB | prefix cache "
-                  f"{'on' if limits.prefix_cache else 'off'} | max_seq_len {limits.max_seq_len}[/]", highlight=False)
+                  f"{'on' if limits.prefix_cache else 'off'} | max_seq_len {limits.max_seq_len} | kv {kv_kind(cfg.kv)} | "
+                  f"spec {_describe_spec(scheduler.spec)}[/]", highlight=False)
     serve_forever(state, cfg.host, int(cfg.port))
+
+
+def _describe_spec(spec) -> str:
+    if spec is None:
+        return "none"
+    k = f"k {spec.length.k_min}..{spec.length.k_max} adaptive" if spec.length.adaptive else f"k {spec.length.k}"
+    return (f"lookup (n-grams {spec.draft.ngram_min}..{spec.draft.ngram_max}, {k}, while the batch has <= "
+            f"{spec.max_batch} rows)")

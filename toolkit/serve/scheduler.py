@@ -17,6 +17,17 @@ blocks are freed and it goes back to the head of the queue, to be prefilled agai
 had generated (its full blocks usually still sit in the prefix cache, so that is cheap). Tokens already streamed are
 not sent again, and greedy output does not change. The queue is bounded (`max_queue`) and `submit` refuses beyond it
 (HTTP 429); a request that needs more blocks than the whole pool is refused by the HTTP layer (`fits`).
+
+Quantized KV (kv=int8|int4|int2): blocks are quantized once their sequence is kv.residual tokens past them; until then
+their tokens sit in full-precision staging slots (kv_pool.py sizes them for max_batch rows and the longest prefill).
+Admission checks the free staging slots too; a prefill that still finds none (OutOfBlocks) goes back to the head of
+the queue, and a decode step that finds none preempts as for blocks.
+
+Speculative decoding (spec=lookup; speculation.py): while the running batch has at most spec.max_batch rows, a decode
+turn drafts up to k tokens per row by prompt lookup and verifies every row in ONE call of q = (longest draft) + 1
+tokens per row; each row keeps its own accepted prefix plus the target's next token, and is cropped back to what it
+kept (the rejected tail's blocks go back to the pool). A turn where nobody drafted anything, or whose verify pass
+does not fit in the pool, is a plain decode step instead: speculation never preempts anyone.
 """
 
 import logging
@@ -31,9 +42,10 @@ from toolkit.engine.generate import Detokenizer, takes_logits_to_keep
 from toolkit.engine.precision import exact_linears, may_overflow
 from toolkit.engine.sampling import sample
 from toolkit.kv.paged import OutOfBlocks
-from toolkit.serve.kv_pool import make_cache, prefill_cost
+from toolkit.serve.kv_pool import make_cache, prefill_cost, residual_tokens, staging_blocks
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.sequence import Sequence
+from toolkit.serve.speculation import ServeSpec, check_kv, verify_row
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +61,7 @@ class Limits:
     block_size: int = 16  # tokens per KV block
     prefix_cache: bool = True  # reuse the blocks of a cached prompt prefix
     kv_budget_mb: float | None = None  # the KV block pool in MiB; when set, instead of max_kv_tokens
+    kv: object = None  # the kv config (node, kind name, or None = fp): full-precision or quantized blocks
 
 
 class QueueFull(Exception):
@@ -60,10 +73,14 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, model, tokenizer, stop_tokens: set[int], limits: Limits, metrics: ServerMetrics):
+    def __init__(self, model, tokenizer, stop_tokens: set[int], limits: Limits, metrics: ServerMetrics,
+                 spec: ServeSpec | None = None):
         self.model, self.tokenizer, self.stop_tokens = model, tokenizer, stop_tokens
-        self.limits, self.metrics = limits, metrics
-        self.cache = make_cache(model, limits.max_kv_tokens, limits.block_size, limits.kv_budget_mb, limits.prefix_cache)
+        self.limits, self.metrics, self.spec = limits, metrics, spec
+        check_kv(spec, residual_tokens(limits.kv))
+        self.cache = make_cache(model, limits.max_kv_tokens, limits.block_size, limits.kv_budget_mb,
+                                limits.prefix_cache, kv=limits.kv, max_sequences=limits.max_batch,
+                                step_tokens=spec.max_draft + 1 if spec else 1, prefill_tokens=limits.max_seq_len)
         self.device = next(model.parameters()).device
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.waiting: deque[Sequence] = deque()
@@ -74,6 +91,9 @@ class Scheduler:
         self.peak_batch = 0  # the most rows one decode step has run (tests check batching really happened)
         self.preemptions = 0
         self.peak_blocks_used = 0
+        self.spec_rounds = 0  # verify passes run
+        self.spec_proposed = self.spec_accepted = 0  # drafted tokens, over every request since start
+        self.requeued = 0  # prefills put back in the queue for want of staging slots
         metrics.kv_blocks_total.set(self.cache.pool.num_blocks)
         metrics.kv_allocated.set(self.cache.storage.nbytes)
         self._publish()
@@ -162,20 +182,39 @@ class Scheduler:
                 # Alone it always fits (fits() was checked at submission); beside others it leaves one block per
                 # running sequence for their next tokens, so admitting it does not preempt someone at once.
                 cost = prefill_cost(self.cache, self.waiting[0].context_ids, self.limits.prefix_cache)
-                if self.running and cost.blocks + len(self.running) > pool.available:
+                if self.running and (cost.blocks + len(self.running) > pool.available
+                                     or not self._staging_allows(cost.compute_tokens)):
                     return
                 seq = self.waiting.popleft()
                 self.metrics.queue.set(len(self.waiting))
             budget -= cost.compute_tokens
             try:
                 self._prefill(seq)
+            except OutOfBlocks as exc:  # no staging slot left for its prompt (quantized KV)
+                if seq in self.running and len(self.running) > 1:  # the others will make room: wait at the head
+                    self._requeue(seq)
+                    self.requeued += 1
+                    return
+                self._fail_prefill(seq, f"the KV pool cannot hold this prompt: {exc}")
             except Exception as exc:  # this request fails; the batch and the server go on
-                log.exception("prefill failed")
-                if seq in self.running:
-                    self._finish(seq, "error", error=f"internal error: {exc}")
-                else:
-                    self.metrics.finished.labels("error").inc()
-                    seq.emit({"type": "error", "message": f"internal error: {exc}"})
+                self._fail_prefill(seq, f"internal error: {exc}")
+
+    def _fail_prefill(self, seq: Sequence, message: str) -> None:
+        log.exception("prefill failed")
+        if seq in self.running:
+            self._finish(seq, "error", error=message)
+        else:
+            self.metrics.finished.labels("error").inc()
+            seq.emit({"type": "error", "message": message})
+
+    def _staging_allows(self, prefill_tokens: int) -> bool:
+        """Whether a quantized pool has the staging slots a prefill of `prefill_tokens` takes, plus one per running
+        sequence for its next block (always true for full-precision blocks)."""
+        storage = self.cache.storage
+        if not hasattr(storage, "staging_available"):
+            return True
+        storage.settle()  # blocks sealed by the last commit give their slots back only when quantized
+        return staging_blocks(self.cache, prefill_tokens) + len(self.running) <= storage.staging_available
 
     @torch.inference_mode()
     def _prefill(self, seq: Sequence) -> None:
@@ -194,6 +233,13 @@ class Scheduler:
     @torch.inference_mode()
     def _decode(self) -> None:
         start = time.perf_counter()
+        self.peak_batch = max(self.peak_batch, len(self.running))
+        if not (self.spec is not None and len(self.running) <= self.spec.max_batch and self._speculate()):
+            self._decode_one()
+        self._step_s = 0.8 * self._step_s + 0.2 * (time.perf_counter() - start)
+
+    def _decode_one(self) -> None:
+        """One token for every running sequence."""
         while True:
             try:
                 logits = self._forward(self.running, [[s.generated[-1]] for s in self.running])
@@ -202,21 +248,62 @@ class Scheduler:
                 if len(self.running) == 1:  # cannot happen for a request fits() accepted
                     raise
                 self._preempt(self.running[-1])
-        self.peak_batch = max(self.peak_batch, len(self.running))
         for seq, row_logits in zip(list(self.running), logits):
             self._accept(seq, self._sample(seq, row_logits))
-        self._step_s = 0.8 * self._step_s + 0.2 * (time.perf_counter() - start)
 
-    def _forward(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> torch.Tensor:
+    def _speculate(self) -> bool:
+        """One draft-and-verify round for the whole running batch; False (nothing done) when no row drafted a token
+        or the verify pass does not fit in the pool (the caller then runs a plain decode step)."""
+        seqs = list(self.running)
+        drafts = [self._draft(seq) for seq in seqs]
+        width = max(len(d) for d in drafts)
+        if width == 0:
+            return False
+        rows = [[s.generated[-1]] + d + [s.generated[-1]] * (width - len(d)) for s, d in zip(seqs, drafts)]
+        lengths = [s.kv.length for s in seqs]
+        try:
+            logits = self._forward(seqs, rows, keep=width + 1)
+        except OutOfBlocks:  # give back the blocks the failed bind took for the rows before the one that failed
+            for seq in seqs:
+                self.cache.crop_sequence(seq.kv, seq.kv.length)
+            return False
+        self.spec_rounds += 1
+        for seq, drafted, row_logits, length in zip(seqs, drafts, logits, lengths):
+            if drafted:
+                verdict = verify_row(row_logits, drafted, seq.sampling, seq.generator)
+                tokens = verdict.tokens
+                seq.spec_proposed += verdict.proposed
+                seq.spec_accepted += verdict.accepted
+                self.spec_proposed += verdict.proposed
+                self.spec_accepted += verdict.accepted
+                seq.spec_k = self.spec.length.next(seq.spec_k or self.spec.length.k, verdict.accepted == len(drafted))
+            else:  # exactly a decode step for this row
+                tokens = [self._sample(seq, row_logits[0])]
+            # keep its last token and the accepted draft; the rejected tail and the padding are dropped
+            self.cache.crop_sequence(seq.kv, length + len(tokens))
+            for token in tokens:
+                self._accept(seq, token)
+                if seq.done:  # a stop token/string or max_tokens mid-run: nothing after it is emitted
+                    break
+        return True
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        # never past max_tokens: a round emits the accepted drafts plus one token of the target's own
+        k = min(seq.spec_k or self.spec.length.k, seq.max_tokens - len(seq.generated) - 1)
+        return self.spec.draft.lookup(seq.context_ids, k) if k > 0 else []
+
+    def _forward(self, seqs: list[Sequence], new_tokens: list[list[int]], keep: int = 1) -> torch.Tensor:
         """One model call adding `new_tokens` (the same number per sequence) to `seqs`; the logits of each one's last
-        position [rows, vocab]. Raises OutOfBlocks, before running anything, if the pool cannot hold the tokens."""
+        position [rows, vocab], or of its last `keep` positions [rows, keep, vocab] when keep > 1. Raises
+        OutOfBlocks, before running anything, if the pool cannot hold the tokens."""
         positions, mask = self.cache.bind([s.kv for s in seqs], new_tokens)
         ids = torch.tensor(new_tokens, device=self.device)
-        kwargs = {"logits_to_keep": 1} if takes_logits_to_keep(type(self.model)) else {}
+        kwargs = {"logits_to_keep": keep} if takes_logits_to_keep(type(self.model)) else {}
 
         def run():
-            return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                              use_cache=True, **kwargs).logits[:, -1]
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                                use_cache=True, **kwargs).logits
+            return logits[:, -1] if keep == 1 else logits[:, -keep:]
 
         logits = run()
         if may_overflow(self.model) and not torch.isfinite(logits).all():
@@ -229,11 +316,14 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and put it back at the head of the queue, to be recomputed from prompt + generated."""
-        self.cache.free(seq.kv)
-        seq.kv = None
         seq.preemptions += 1
         self.preemptions += 1
         self.metrics.preemptions.inc()
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        self.cache.free(seq.kv)
+        seq.kv = None
         with self._cond:  # queued before it leaves the batch: /health never sees it nowhere
             self.waiting.appendleft(seq)
             self.metrics.queue.set(len(self.waiting))
@@ -289,6 +379,8 @@ class Scheduler:
         m.kv_bytes.set(self.cache.nbytes)
         m.kv_tokens.set(sum(s.kv.length for s in self.running if s.kv is not None))
         m.publish_pool(self.cache.pool)
+        if self.spec_proposed:
+            m.acceptance.set(self.spec_accepted / self.spec_proposed)
         self.peak_blocks_used = max(self.peak_blocks_used, self.cache.pool.used)
 
 

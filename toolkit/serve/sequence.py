@@ -36,6 +36,9 @@ class Sequence:
     finish_reason: str | None = None
     kv: PagedSequence | None = None  # its blocks in the pool while it runs; None while it waits
     preemptions: int = 0
+    spec_proposed: int = 0  # speculative decoding: tokens drafted for it, and how many of them the target kept
+    spec_accepted: int = 0
+    spec_k: int | None = None  # its current draft length (adaptive drafts); None = the configured k
 
     def __post_init__(self):
         # a per-request generator: a seeded request samples the same tokens whatever else shares its batch
@@ -61,7 +64,8 @@ class Sequence:
             "queue_ms": None if self.admitted is None else (self.admitted - self.arrived) * 1e3,
             "ttft_ms": None if first is None else (first - self.arrived) * 1e3,
             "itl_mean_ms": sum(gaps) / len(gaps) * 1e3 if gaps else None,
-            "acceptance_rate": None,  # speculative decoding is not wired into the server (see README)
+            # share of drafted tokens kept; None when nothing was drafted for it (spec=none, or no n-gram matched)
+            "acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else None,
         }
 
     def usage(self) -> dict:

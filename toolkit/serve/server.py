@@ -10,10 +10,12 @@ import uvicorn
 
 from toolkit.engine.generate import context_length, stop_token_ids
 from toolkit.errors import InputError
+from toolkit.kv import kv_kind
 from toolkit.kv.paged import PagedKVCache
 from toolkit.serve.app import ServerState, create_app
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.scheduler import Limits, Scheduler
+from toolkit.serve.speculation import serve_spec
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class ServeSettings:
     kv_budget_mb: float | None = None  # the KV block pool in MiB; when set, it sizes the pool instead
     block_size: int = 16  # tokens per KV block
     prefix_cache: bool = True  # reuse cached prompt-prefix blocks
+    kv: object = None  # the kv config group (node or kind name; None = fp): int8/int4/int2 quantize the blocks
+    spec: object = None  # the spec config group (node or kind name; None = none): lookup is served
+    spec_max_batch: int = 4  # speculate only while the running batch has at most this many rows
 
 
 def build_state(loaded, settings: ServeSettings) -> ServerState:
@@ -41,7 +46,8 @@ def build_state(loaded, settings: ServeSettings) -> ServerState:
                         ("max_tokens", settings.max_tokens), ("block_size", settings.block_size)):
         if value < 1:
             raise InputError(f"{name} must be >= 1, got {value}", f"set {name}= to a positive number")
-    if settings.kv_budget_mb is not None:
+    spec = serve_spec(settings.spec, settings.spec_max_batch)
+    if settings.kv_budget_mb is not None and kv_kind(settings.kv) == "fp":  # quantized: plan_pool says why not
         per_block = PagedKVCache.bytes_per_block(model, settings.block_size)
         if settings.kv_budget_mb * 2**20 < per_block:
             raise InputError(f"kv_budget_mb={settings.kv_budget_mb} holds no KV block: one block of "
@@ -51,9 +57,9 @@ def build_state(loaded, settings: ServeSettings) -> ServerState:
         raise InputError(f"max_seq_len={max_seq_len} exceeds the model's context of {context} tokens",
                          f"use max_seq_len<={context} or null")
     limits = Limits(settings.max_batch, settings.max_queue, settings.max_kv_tokens, max_seq_len, settings.block_size,
-                    settings.prefix_cache, settings.kv_budget_mb)
+                    settings.prefix_cache, settings.kv_budget_mb, settings.kv)
     metrics = ServerMetrics()
-    scheduler = Scheduler(model, loaded.tokenizer, stop_token_ids(model, loaded.tokenizer), limits, metrics)
+    scheduler = Scheduler(model, loaded.tokenizer, stop_token_ids(model, loaded.tokenizer), limits, metrics, spec)
     return ServerState(scheduler, loaded.tokenizer, settings.model_id or str(loaded.name), settings.max_tokens,
                        settings.api_key, metrics, int(time.time()))
 
