@@ -5,6 +5,7 @@ requests served one at a time, in one run.
                                   [--model CHECKPOINT_OR_NAME] [--prompts open] [--out result.json]
                                   [--kv-tokens N | --kv-budget-mb MB] [--block-size 16] [--no-prefix-cache]
                                   [--kv fp|int8|int4|int2] [--spec none|lookup] [--spec-k 8] [--spec-max-batch 4]
+                                  [--spec-set KEY=VALUE ...]
 
 Protocol: a fixed list of requests (prompts of the --prompts set cut to 128, 256, 384 and 512 tokens in turn, greedy,
 --max-tokens new tokens each, stopping early only at the model's end-of-sequence) is served twice by one server
@@ -171,6 +172,8 @@ def main() -> None:
     parser.add_argument("--kv", default="fp", help="KV block kind: fp, int8, int4 or int2")
     parser.add_argument("--spec", default="none", help="speculative decoding: none or lookup")
     parser.add_argument("--spec-k", type=int, default=8, help="tokens drafted per round (--spec lookup)")
+    parser.add_argument("--spec-set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more spec options, as the server's spec.KEY=VALUE (e.g. ngram_min=2 adaptive=true)")
     parser.add_argument("--spec-max-batch", type=int, default=4, help="speculate only while the batch has at most "
                         "this many rows")
     parser.add_argument("--out", default=None, help="write the result JSON here")
@@ -187,7 +190,8 @@ def main() -> None:
                              max_seq_len=max(PROMPT_LENGTHS) + args.max_tokens + 16, max_tokens=args.max_tokens,
                              kv_budget_mb=args.kv_budget_mb, block_size=args.block_size,
                              prefix_cache=not args.no_prefix_cache, kv=args.kv,
-                             spec=OmegaConf.create({"kind": args.spec, "k": args.spec_k}),
+                             spec=OmegaConf.merge({"kind": args.spec, "k": args.spec_k},
+                                                  OmegaConf.from_dotlist(args.spec_set)),
                              spec_max_batch=args.spec_max_batch)
     print(f"{loaded.name} ({loaded.precision.name}); {len(requests)} distinct requests of "
           f"{'/'.join(map(str, PROMPT_LENGTHS))}-token prompts, {args.max_tokens} new tokens, greedy, kv={args.kv}, "
@@ -209,7 +213,7 @@ def main() -> None:
               "preemptions": scheduler.preemptions,
               "prefix_cache": not args.no_prefix_cache, "prefix_hit_rate": pool.stats.hit_rate,
               "evictions": pool.stats.evictions, "kind": args.kv}
-        spec = {"kind": args.spec, "k": args.spec_k, "max_batch": args.spec_max_batch,
+        spec = {"kind": args.spec, "k": args.spec_k, "max_batch": args.spec_max_batch, "options": args.spec_set,
                 "rounds": scheduler.spec_rounds, "proposed": scheduler.spec_proposed,
                 "accepted": scheduler.spec_accepted,
                 "acceptance_rate": scheduler.spec_accepted / scheduler.spec_proposed if scheduler.spec_proposed

@@ -51,8 +51,8 @@ class ServerMetrics:
         self.queue = Gauge("specquant_queue_length", "requests waiting to be admitted (preempted ones included)",
                            registry=r)
         self.batch = Gauge("specquant_batch_size", "sequences in the running batch", registry=r)
-        self.acceptance = Gauge("specquant_spec_acceptance_rate", "speculative decoding acceptance rate "
-                                "(NaN: speculative decoding is not used by this server)", registry=r)
+        self.acceptance = Gauge("specquant_spec_acceptance_rate", "share of drafted tokens the target kept, "
+                                "over every request since start (NaN: nothing drafted yet, or spec=none)", registry=r)
         self.acceptance.set(float("nan"))
         self._window_s = window_s
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
