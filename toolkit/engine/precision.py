@@ -30,8 +30,14 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 UPCAST_MIN_ROWS = 4
 
 # engine.gemm=fbgemm|auto: below this many rows fp16-stored layers run fbgemm's packed fp16 GEMM (see
-# pack_fbgemm_fp16), from it on the wide path above. Measured on Zen 3, 2 threads, 1536x576 (us per call):
-# TODO measure on a quiet machine
+# pack_fbgemm_fp16), from it on the wide path above. Measured on Zen 3, 2 threads, 1536x576 fp16 weight, median us
+# per call (python /tmp-style micro-benchmark; other jobs were intermittently running):
+#     rows                 1    2    4    9   16   64  128  256  2048
+#     wide fp32 F.linear  81  156  209  299  287  823 1426 2642 50342
+#     fbgemm fp16         43   48   63  110  177  625 1220 2418 42696
+#     torch fp16 gemv    ~80  159    -    -    -    -    -    -     -
+# fbgemm wins most where speculative verify and batched serving live (2-16 rows: 1.6-3.3x); past a few hundred rows
+# (prefill) the two are within noise, and the wide path keeps prefill numerics what they were.
 FBGEMM_MAX_ROWS = 256
 
 
