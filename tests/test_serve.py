@@ -645,22 +645,27 @@ def test_int8_kv_server_streams_and_frees_the_pool(loaded):
             _assert_pool_empty(srv.state.scheduler)
 
 
-def test_int8_kv_staging_exhaustion_requeues_the_prefill(tiny_model, monkeypatch):
+@pytest.mark.parametrize("chunk,slots", [(512, 12), (8, 7)], ids=["whole-prompt", "chunked"])
+def test_int8_kv_staging_exhaustion_requeues_the_prefill(tiny_model, monkeypatch, chunk, slots):
     """Too few full-precision staging slots for everyone: a prefill that finds none goes back to the head of the
-    queue, a decode step that finds none preempts; every request still finishes and the pool empties."""
+    queue (also between two chunks of one prompt), a decode step that finds none preempts; every request still
+    finishes and the pool empties."""
     from toolkit.serve import kv_pool
+    from toolkit.serve import scheduler as scheduler_module
     from toolkit.serve.scheduler import Limits, Scheduler
+
+    monkeypatch.setattr(scheduler_module, "QUANTIZED_PREFILL_CHUNK", chunk)
 
     model, tokenizer = tiny_model
     build = kv_pool.paged_cache_for
     monkeypatch.setattr(kv_pool, "paged_cache_for", lambda model, kv, blocks, size, prefix, **_: build(
-        model, kv, blocks, size, prefix, staging_slots=12))
+        model, kv, blocks, size, prefix, staging_slots=slots))
     monkeypatch.setattr(Scheduler, "_staging_allows", lambda self, tokens: True)  # admit blindly: prefills fail
     # prompts of 20-44 tokens: 5-11 blocks of 4 to stage at prefill; each running sequence keeps 3-4 staged
     prompts = [(PROMPTS[i], MAX_TOKENS[i]) for i in (2, 6, 8, 9, 4)]
     limits = Limits(max_batch=4, max_queue=16, max_kv_tokens=400, max_seq_len=256, block_size=4, kv=INT8)
     scheduler, done, _ = _run_scheduler(model, tokenizer, limits, prompts)
-    assert scheduler.cache.storage.staging_slots == 12
+    assert scheduler.cache.storage.staging_slots == slots
     assert scheduler.requeued > 0, "no prefill ran out of staging slots: the test lost its point"
     assert [d["type"] for d in done] == ["done"] * len(prompts)
     assert all(d["finish_reason"] in ("stop", "length") for d in done)

@@ -19,9 +19,10 @@ not sent again, and greedy output does not change. The queue is bounded (`max_qu
 (HTTP 429); a request that needs more blocks than the whole pool is refused by the HTTP layer (`fits`).
 
 Quantized KV (kv=int8|int4|int2): blocks are quantized once their sequence is kv.residual tokens past them; until then
-their tokens sit in full-precision staging slots (kv_pool.py sizes them for max_batch rows and the longest prefill).
+their tokens sit in full-precision staging slots (kv_pool.py sizes them for max_batch rows and one prefill call). A
+prompt is prefilled in calls of QUANTIZED_PREFILL_CHUNK tokens, each sealing what falls behind the residual window.
 Admission checks the free staging slots too; a prefill that still finds none (OutOfBlocks) goes back to the head of
-the queue, and a decode step that finds none preempts as for blocks.
+the queue (its committed chunks stay in the prefix cache), and a decode step that finds none preempts as for blocks.
 
 Speculative decoding (spec=lookup; speculation.py): while the running batch has at most spec.max_batch rows, a decode
 turn drafts up to k tokens per row by prompt lookup and verifies every row in ONE call of q = (longest draft) + 1
@@ -50,6 +51,9 @@ from toolkit.serve.speculation import ServeSpec, check_kv, verify_row
 log = logging.getLogger(__name__)
 
 PREFILL_TOKENS_PER_TURN = 512  # prompt tokens prefilled between two decode steps (one longer request always goes)
+# Quantized KV: a prompt is prefilled in calls of at most this many tokens. Each call's tokens sit in full-precision
+# staging slots until its commit seals them, so the staging the pool needs is set by this, not by max_seq_len.
+QUANTIZED_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,11 @@ class Scheduler:
         check_kv(spec, residual_tokens(limits.kv))
         self.cache = make_cache(model, limits.max_kv_tokens, limits.block_size, limits.kv_budget_mb,
                                 limits.prefix_cache, kv=limits.kv, max_sequences=limits.max_batch,
-                                step_tokens=spec.max_draft + 1 if spec else 1, prefill_tokens=limits.max_seq_len)
+                                step_tokens=spec.max_draft + 1 if spec else 1,
+                                prefill_tokens=min(limits.max_seq_len, QUANTIZED_PREFILL_CHUNK))
+        # full-precision blocks: one call per prompt (chunks would change nothing but the arithmetic's order)
+        self.quantized = hasattr(self.cache.storage, "staging_available")
+        self.prefill_chunk = QUANTIZED_PREFILL_CHUNK if self.quantized else None
         self.device = next(model.parameters()).device
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.waiting: deque[Sequence] = deque()
@@ -183,7 +191,8 @@ class Scheduler:
                 # running sequence for their next tokens, so admitting it does not preempt someone at once.
                 cost = prefill_cost(self.cache, self.waiting[0].context_ids, self.limits.prefix_cache)
                 if self.running and (cost.blocks + len(self.running) > pool.available
-                                     or not self._staging_allows(cost.compute_tokens)):
+                                     or not self._staging_allows(min(cost.compute_tokens,
+                                                                     self.prefill_chunk or cost.compute_tokens))):
                     return
                 seq = self.waiting.popleft()
                 self.metrics.queue.set(len(self.waiting))
@@ -211,7 +220,7 @@ class Scheduler:
         """Whether a quantized pool has the staging slots a prefill of `prefill_tokens` takes, plus one per running
         sequence for its next block (always true for full-precision blocks)."""
         storage = self.cache.storage
-        if not hasattr(storage, "staging_available"):
+        if not self.quantized:
             return True
         storage.settle()  # blocks sealed by the last commit give their slots back only when quantized
         return staging_blocks(self.cache, prefill_tokens) + len(self.running) <= storage.staging_available
@@ -224,7 +233,9 @@ class Scheduler:
         seq.kv = self.cache.new_sequence(ids, reuse_prefix=self.limits.prefix_cache)
         self.running.append(seq)  # from here on, _finish gives its blocks back whatever happens
         rest = ids[seq.kv.length:]
-        logits = self._forward([seq], [rest])
+        chunk = self.prefill_chunk or len(rest)
+        for start in range(0, len(rest), chunk):
+            logits = self._forward([seq], [rest[start:start + chunk]])
         self.metrics.prompt_tokens.inc(len(rest))
         if seq.detok is None:  # a preempted sequence keeps its detokenizer: what was streamed is not sent again
             seq.detok = Detokenizer(self.tokenizer, seq.stop_strings)
