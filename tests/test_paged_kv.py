@@ -286,3 +286,17 @@ def test_peek_prefix_retains_and_counts_nothing():
     pool.release(a)
     assert pool.peek_prefix([1, 2, 3, 4, 5], 4) == [a]
     assert pool.used == 0 and pool.stats.prefix_queries == 0
+
+
+def test_a_bind_that_runs_dry_gives_back_what_it_took(tiny_model):
+    model, tokenizer = tiny_model
+    prompts = _prompts(tokenizer)[:2]
+    cache = PagedKVCache(model, num_blocks=40, block_size=4)
+    outs, seqs = _paged_greedy(model, cache, prompts, 2)
+    used = cache.pool.used
+    with pytest.raises(OutOfBlocks):
+        cache.bind(seqs, [[1] * 60, [1] * 60])  # the first row's blocks fit, the second's do not
+    assert cache.pool.used == used and [s.length for s in seqs] == [len(p) + 1 for p in prompts]
+    for s in seqs:
+        cache.free(s)
+    cache.pool.check()

@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from toolkit.engine.precision import model_precision
-from toolkit.kv.paged.pool import ROOT, BlockPool
+from toolkit.kv.paged.pool import ROOT, BlockPool, OutOfBlocks
 from toolkit.kv.paged.storage import FPBlockStorage
 
 
@@ -176,8 +176,13 @@ class PagedKVCache(Cache):
         if any(len(t) != q for t in new_tokens) or q == 0:
             raise ValueError("every sequence in one call adds the same, non-zero number of tokens")
         bs, device = self.block_size, self.device
-        for seq in seqs:
-            self._make_writable(seq, seq.length, seq.length + q)
+        for i, seq in enumerate(seqs):
+            try:
+                self._make_writable(seq, seq.length, seq.length + q)
+            except OutOfBlocks:  # give back what this bind took for the rows before (a copy-on-write copy stays)
+                for done in seqs[:i + 1]:
+                    self.crop_sequence(done, done.length)
+                raise
         lengths = torch.tensor([s.length for s in seqs], device=device)
         self.width = int(lengths.max()) + q
         offsets = torch.arange(q, device=device)
