@@ -329,3 +329,15 @@ def test_swapped_into_tiny_llama(bits, gs, kernel):
     quant_bytes = weight_bytes(model)
     assert quant_bytes == sum(m.nbytes for m in layers) + sum(p.numel() * 4 for p in model.parameters())
     assert quant_bytes < float_bytes
+
+
+def test_scratch_made_under_inference_mode_works_outside_it(monkeypatch):
+    import toolkit.quant.qlinear as qlinear
+
+    monkeypatch.setattr(qlinear, "_SCRATCH", __import__("threading").local())  # the next call allocates afresh
+    qw = make_qw(64, 128, 4, 32)
+    m = QuantLinear.from_quantized(qw)
+    x = torch.randn(130, 128)
+    with torch.inference_mode():
+        m(x)
+    assert rel_err(m(x), reference(qw, x)) < FP32_TOL

@@ -414,7 +414,10 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
         bufs = _SCRATCH.bufs = {}
     buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
-        buf = bufs[key] = torch.empty(numel, dtype=torch.float32, device=device)
+        # a normal tensor even when first asked for under inference_mode: an inference tensor could not be
+        # written outside it (the dequant path runs both ways)
+        with torch.inference_mode(False):
+            buf = bufs[key] = torch.empty(numel, dtype=torch.float32, device=device)
     return buf[:numel]
 
 
