@@ -17,7 +17,8 @@
 * **Outlier channels** O: the `n_outliers` input channels with the largest |x| in this call are taken out of the
   int8 product (their codes set to the zero point) and added back in fp32 with the same int8 weight columns,
   dequantized (LLM.int8()'s decomposition). SmolLM2's attention inputs have channels ~20-30x the RMS that would
-  otherwise set every row's scale. 16 channels (2.8% of 576) cut the end-to-end KL from 0.098 to 0.019.
+  otherwise set every row's scale. 16 channels (2.8% of 576) cut the end-to-end KL against fp32 from 0.098 to
+  0.019 (0.003 for the exact int8 path) and the mean per-layer error from ~6% to ~1.8%.
 
 The GEMM is ``torch.ops.onednn.qlinear_pointwise`` (the op torch's x86 inductor quantization lowers to; plain
 tensors, no deprecated quantized dtypes) on a weight reordered by ``torch.ops.onednn.qlinear_prepack``. The reorder
