@@ -34,7 +34,7 @@ itl       One batch of --itl-batch prompts (prose, lengths uniform in [--itl-pro
           Median per path over every step of every run, ratio paged / contiguous; `identical_outputs`: the same
           tokens on every run.
 
-Model: SmolLM2-135M loaded by the engine (load_engine_model, --dtype float32: fp32 weights and KV). Timings are only
+Model: SmolLM2-135M loaded by the engine (load_engine_model, --dtype auto as the engine runs it: on this CPU fp16 weights through fbgemm, fp32 activations and KV). Timings are only
 comparable within one run (this machine is shared and noisy); the ratios are what the run measures.
 """
 
@@ -335,7 +335,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["capacity", "prefix", "itl"], choices=["capacity", "prefix", "itl"])
     p.add_argument("--model", default="smollm2-135m", help="registry name or directory")
-    p.add_argument("--dtype", default="float32", help="engine.dtype (activations and KV)")
+    p.add_argument("--dtype", default="auto", help="engine.dtype (activations and KV)")
     p.add_argument("--weight-dtype", default="auto", help="engine.weight_dtype (auto: as --dtype when explicit)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--block-size", type=int, default=16)

@@ -1,9 +1,13 @@
 """Where the paged cache's keys and values physically live: one tensor per layer for keys and one for values, each
-[kv_heads, num_blocks * block_size, head_dim]. Token t of block b sits at slot b * block_size + t.
+[num_blocks * block_size, kv_heads, head_dim], views of one [slots, 2, kv_heads, head_dim] tensor per layer (a
+token's keys then its values). Token t of block b sits at slot b * block_size + t.
 
-Slots are token-major within a head so that reading a batch through its block tables is one `index_select` along
-dim 1 per tensor, whose result views as [heads, rows, width, head_dim] and transposes (no copy) into the
-[rows, heads, width, head_dim] attention takes. The buffers start zeroed: gathered padding columns are masked, but
+Slots are the outermost dimension so that reading a batch through its block tables is one `index_select` along
+dim 0 per layer, copying each token's keys and values as one contiguous run; the result views as [rows, width, heads, dim] and
+permutes (no copy) into the [rows, heads, width, dim] attention takes. Measured with cold caches (as inside a
+forward pass, where the weights have just streamed through), gathering 8 x 304 tokens of SmolLM2's 3 x 64 heads
+took 92 us this way and 243 us with the slots inside each head ([heads, slots, dim]): scattered 256-byte rows are
+latency-bound, 768-byte rows run at copy speed. The buffers start zeroed: gathered padding columns are masked, but
 still enter attention's matmul, where 0 x NaN from uninitialised memory would poison a row.
 
 The interface the cache uses (a quantized storage implements the same):
@@ -26,9 +30,10 @@ class FPBlockStorage:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device="cpu"):
-        shape = (kv_heads, num_blocks * block_size, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_blocks * block_size, 2, kv_heads, head_dim)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [t[:, 0] for t in self.kv]
+        self.values = [t[:, 1] for t in self.kv]
         self.block_size, self.dtype = block_size, dtype
 
     @staticmethod
@@ -38,23 +43,20 @@ class FPBlockStorage:
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys/values [rows, heads, q, dim] to `slots` [rows * q] (row-major)."""
         heads, dim = keys.shape[1], keys.shape[3]
-        self.keys[layer].index_copy_(1, slots, keys.transpose(0, 1).reshape(heads, -1, dim))
-        self.values[layer].index_copy_(1, slots, values.transpose(0, 1).reshape(heads, -1, dim))
+        self.keys[layer].index_copy_(0, slots, keys.transpose(1, 2).reshape(-1, heads, dim))
+        self.values[layer].index_copy_(0, slots, values.transpose(1, 2).reshape(-1, heads, dim))
 
     def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [rows, heads, width, dim] of the slots `index` [rows, width]."""
         rows, width = index.shape
-        flat = index.reshape(-1)
-        k = self.keys[layer].index_select(1, flat)
-        v = self.values[layer].index_select(1, flat)
-        return (k.view(k.shape[0], rows, width, -1).transpose(0, 1),
-                v.view(v.shape[0], rows, width, -1).transpose(0, 1))
+        kv = self.kv[layer].index_select(0, index.reshape(-1))
+        kv = kv.view(rows, width, *kv.shape[1:]).transpose(2, 3)  # [rows, width, heads, 2, dim]
+        return kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
-        for tensors in (self.keys, self.values):
-            for t in tensors:
-                t[:, dst * bs:(dst + 1) * bs] = t[:, src * bs:(src + 1) * bs]
+        for t in self.kv:
+            t[dst * bs:(dst + 1) * bs] = t[src * bs:(src + 1) * bs]
 
     def reset_block(self, block: int) -> None:
         pass
@@ -67,4 +69,4 @@ class FPBlockStorage:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in self.kv)
