@@ -39,6 +39,26 @@ def cache_bytes_per_token(model, kv_cfg, context: int, dtype: torch.dtype) -> fl
     return sequence_kv_bytes(model, kv_kind(kv_cfg), context, dtype, kv_cfg) / context
 
 
+def prefix_reuse(options, names: list[str], workload: dict, notes: list[str]) -> dict | None:
+    """What the prefix-cache what-if found in the cache, set against the repeated-prefix share of section 1 (only
+    whole blocks are reused, and a prompt's last token always runs); None when it was not measured."""
+    from toolkit.diagnose.prefix_cache import BLOCK_SIZE
+
+    option = next((o for o in options if o.prefix is not None), None)
+    if option is None:
+        if workload["repeated_prefix_share"] > 0 and "prefix-cache" not in names:  # (else a note says why not)
+            notes.append(f"prefix cache: not measured; {workload['repeated_prefix_share']:.1%} of prompt tokens "
+                         "repeat an earlier prompt's start (add prefix-cache to whatifs= to measure it)")
+        return None
+    cached = option.cached_tokens[:workload["prompts"]]  # the first pass (each pass starts cold: they repeat it)
+    share = sum(cached) / workload["tokens"] if workload["tokens"] else 0.0
+    notes.append(f"prefix-cache: {sum(cached)} of {workload['tokens']} prompt tokens ({share:.1%}) found cached in "
+                 f"whole {BLOCK_SIZE}-token blocks, of the {workload['repeated_prefix_tokens']} that repeat an "
+                 "earlier prompt's start; KL 0 by construction ('same tokens' is the check)")
+    return {"cached_tokens": sum(cached), "cached_per_prompt": cached, "cached_share": share,
+            "block_size": BLOCK_SIZE, "repeated_prefix_tokens": workload["repeated_prefix_tokens"]}
+
+
 def diagnose(cfg, loaded, progress=None) -> dict:
     model, tokenizer = loaded.model, loaded.tokenizer
     kv_cfg = cfg.get("kv")
@@ -70,34 +90,34 @@ def diagnose(cfg, loaded, progress=None) -> dict:
     # section 5: the knobs the diagnosis points at, rerun beside the baseline
     kv_share = bound["decode"]["kv_bytes"] / bound["decode"]["bytes_per_token"]
     names = wi.choose(OmegaConf.to_container(cfg.whatifs) if OmegaConf.is_config(cfg.whatifs) else cfg.whatifs,
-                      path, kv_share)
+                      path, kv_share, workload["repeated_prefix_share"])
     quantized_input = getattr(model, "specquant_quant_label", None) is not None
     options, notes = wi.build_options(names, model, cfg.model.name, cfg.engine, kv_cfg, spec_cfg, tokenizer,
                                       quantized_input)
     options[0].draft = baseline.draft
-    if workload["repeated_prefix_share"] > 0:
-        notes.append(f"prefix cache: not built (issue 8); it would skip {workload['repeated_prefix_share']:.1%} "
-                     "of prompt tokens here (not measured)")
     wi.measure(options, tokenizer, encoded, new_tokens, warmup=cfg.warmup, progress=progress)
     windows = quality_slice(tokenizer, cfg.quality.data, cfg.quality.window, cfg.quality.windows)
     quality = quality_change(options, windows, cfg.quality.chunk)
     rows = {}
     for option in options:
         rows[option.name] = {**time_split(option.timings), **quality[option.name], "knob": option.knob,
-                             "apply": option.apply,
+                             "apply": option.apply, "explain": wi.EXPLAIN.get(option.knob, ""),
                              "token_agreement": wi.token_agreement(option.outputs, options[0].outputs)}
     command = base_command(cfg)
     on_dir = command.replace(f"model={cfg.model.name} ", "model=DIR ", 1)
+    served = f"specquant serve model={cfg.model.name}"
     apply = {o.name: (f"{command} {o.apply}" if o.knob in ("kv", "spec") else f"{o.apply} && {on_dir}"
-                      if o.knob == "weights" else command) for o in options}
+                      if o.knob == "weights" else f"{served} {o.apply}" if o.knob == "prefix" else command)
+             for o in options}
     for name, row in rows.items():
         row["command"] = apply[name]
     recommendation = recommend(rows, path, cfg.kl_budget, cfg.min_gain, apply, command)
+    prefix = prefix_reuse(options, names, workload, notes)
     return {
         "model": loaded.name, "dtype": loaded.precision.name, "prompt_tokens": mean_prompt, "new_tokens": new_tokens,
         "workload": workload, "split": split, "dominant": path, "roofline": bound, "kv_pressure": kv,
         "whatifs": {"measured": [o.name for o in options], "rows": rows, "ranking": rank(rows), "notes": notes,
-                    "quality_slice": {"data": cfg.quality.data, "window": cfg.quality.window,
+                    "prefix_cache": prefix, "quality_slice": {"data": cfg.quality.data, "window": cfg.quality.window,
                                       "windows": int(windows.shape[0]), "chunk": cfg.quality.chunk}},
         "recommendation": recommendation,
     }

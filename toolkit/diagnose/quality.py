@@ -2,10 +2,13 @@
 
 Weight options are scored against the baseline model; KV options run the baseline model fed `chunk` tokens at a time
 through their cache, so later chunks attend to quantized keys and values (the window must be longer than the cache's
-full-precision residual for any of it to be quantized). Greedy speculative decoding is lossless by construction: its
-KL is 0, and the report shows the measured token agreement with the baseline as the check."""
+full-precision residual for any of it to be quantized). Greedy speculative decoding and the prefix cache (cached
+keys/values are the ones the prompt would compute) are lossless by construction: their KL is 0, and the report shows
+the measured token agreement with the baseline as the check."""
 
 from toolkit.evaluation.perplexity import score_windows
+
+LOSSLESS = {"spec": "greedy speculative decoding", "prefix": "prefix cache: reused keys/values are the prompt's own"}
 
 
 def quality_slice(tokenizer, data: str, window: int, windows: int):
@@ -22,9 +25,10 @@ def quality_change(options, windows, chunk: int) -> dict[str, dict]:
     reference = score_windows(base.model, windows, kv_cfg=base.kv, chunk=chunk)
     out = {base.name: {"kl": 0.0, "ppl": reference["ppl"], "ppl_change": 0.0, "scored": "baseline"}}
     for option in options[1:]:
-        if option.knob == "spec":
+        lossless = LOSSLESS.get(option.knob)
+        if lossless:
             out[option.name] = {"kl": 0.0, "ppl": reference["ppl"], "ppl_change": 0.0,
-                                "scored": "lossless (greedy speculative decoding)"}
+                                "scored": f"lossless ({lossless})"}
             continue
         figures = score_windows(option.model, windows, reference=base.model, kv_cfg=option.kv, chunk=chunk)
         out[option.name] = {"kl": figures["kl"], "ppl": figures["ppl"],

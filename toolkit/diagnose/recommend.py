@@ -20,7 +20,7 @@ def recommend(rows: dict[str, dict], dominant: str, kl_budget: float, min_gain: 
     rejected = [n for n in rows if n != "baseline" and rows[n]["kl"] > kl_budget]
     if not candidates:
         return {"option": "baseline", "metric": metric, "baseline": base, "value": base, "gain": 0.0,
-                "command": base_command,
+                "command": base_command, "explain": "",
                 "why": f"no measured option cut {metric} by more than {min_gain:.0%} within KL <= {kl_budget}"
                        + (f" ({', '.join(rejected)} over the quality budget)" if rejected else "")
                        + ": keep the current settings"
@@ -28,6 +28,6 @@ def recommend(rows: dict[str, dict], dominant: str, kl_budget: float, min_gain: 
     best = min(candidates, key=lambda n: rows[n][metric])
     value = rows[best][metric]
     return {"option": best, "metric": metric, "baseline": base, "value": value, "gain": 1 - value / base,
-            "command": apply[best],
+            "command": apply[best], "explain": rows[best].get("explain", ""),
             "why": f"{dominant} dominates; {best} cuts {metric} from {base:.1f} to {value:.1f} ms "
                    f"({1 - value / base:.0%} less) at KL {rows[best]['kl']:.4f} <= {kl_budget}"}

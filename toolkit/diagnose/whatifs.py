@@ -5,7 +5,9 @@ Options (names used by `whatifs=`):
     w8, w4            INT8 / INT4 RTN weights (the model's recipe in recipes/ when it has one), quantized on the fly
     kv-int8, kv-int4  a quantized KV cache (conf/kv/)
     lookup, self      speculative decoding with a prompt-lookup or a self (INT4 own-weights) draft (conf/spec/)
-A prefix cache is not built (issue 8): the report gives the repeated-prefix share it would skip and measures nothing.
+    prefix-cache      the prompts in order through one paged KV cache with prefix reuse, as `specquant serve
+                      prefix_cache=true` runs them: later prompts skip the whole blocks earlier ones began with
+                      (prefix_cache.py)
 """
 
 from dataclasses import dataclass, field
@@ -19,9 +21,12 @@ from toolkit.errors import InputError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-ALL = ("w8", "w4", "kv-int8", "kv-int4", "lookup", "self")
+ALL = ("w8", "w4", "kv-int8", "kv-int4", "lookup", "self", "prefix-cache")
 KNOB = {"baseline": "none", "w8": "weights", "w4": "weights", "kv-int8": "kv", "kv-int4": "kv", "lookup": "spec",
-        "self": "spec"}
+        "self": "spec", "prefix-cache": "prefix"}
+# why an option is applied where it is, when its command is not the baseline's plus an override
+EXPLAIN = {"prefix": "prefix caching lives in the server: requests that begin like an earlier one reuse its cached "
+                     "KV blocks and prefill only the rest (`specquant generate` runs every prompt cold)"}
 _WEIGHT_RECIPES = {"w8": ("rtn-w8", "rtn-int8", {}), "w4": ("rtn-w4g64", "rtn-int4", {"group_size": 64})}
 # KV what-ifs are worth running when the cache is at least this share of a decode step's bytes
 KV_SHARE_WORTH_IT = 0.1
@@ -35,22 +40,27 @@ class Option:
     kv: object = None
     spec: object = None  # a conf/spec node, or None
     draft: object = None
+    prefix: object = None  # a PrefixCacheRun (prefix-cache): the paged cache the requests share
     apply: str = ""  # the command (or overrides) that applies this option for real
     recipe: dict | None = None  # the weight recipe applied (weights options)
     timings: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
+    cached_tokens: list = field(default_factory=list)  # prefix-cache: prompt tokens each request found cached
 
 
-def choose(requested, dominant: str, kv_share_of_decode: float) -> list[str]:
+def choose(requested, dominant: str, kv_share_of_decode: float, repeated_prefix_share: float = 0.0) -> list[str]:
     """`whatifs=auto`: weights always (they cut the bytes decode streams and the matmul work prefill does), KV when
     the cache is a real share of decode bytes, speculative drafts only for a decode-dominated workload (they do not
-    touch TTFT). `all`, `none`, or a list of names choose explicitly."""
+    touch TTFT), the prefix cache when some prompt begins like an earlier one. `all`, `none`, or a list of names
+    choose explicitly."""
     if requested in (None, "auto"):
         names = ["w8", "w4"]
         if kv_share_of_decode >= KV_SHARE_WORTH_IT:
             names += ["kv-int8", "kv-int4"]
         if dominant == "decode":
             names += ["lookup", "self"]
+        if repeated_prefix_share > 0:
+            names += ["prefix-cache"]
         return names
     if requested == "all":
         return list(ALL)
@@ -121,6 +131,16 @@ def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, s
                 continue
             options.append(Option(name, knob, base, OmegaConf.load(CONF_DIR / "kv" / f"{kind}.yaml"), spec_cfg,
                                   apply=f"kv={kind}"))
+        elif knob == "prefix":
+            from toolkit.diagnose.prefix_cache import PrefixCacheRun
+            from toolkit.kv import kv_kind
+
+            # one knob at a time: against a baseline that already changes the cache or the decoding loop, the
+            # paged run would differ in two knobs and its tokens would not be the baseline's by construction
+            if kv_kind(kv_cfg) != "fp" or spec_cfg is not None:
+                notes.append(f"{name}: skipped, measured against a kv=fp baseline without spec= only")
+                continue
+            options.append(Option(name, knob, base, prefix=PrefixCacheRun(base), apply="prefix_cache=true"))
         else:
             if spec_cfg is not None and spec_cfg.get("kind") == name:
                 notes.append(f"{name}: skipped, the baseline already runs spec={name}")
@@ -136,6 +156,8 @@ def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, s
 def run_once(option: Option, tokenizer, ids: list[int], new_tokens: int):
     """One request of the workload (exactly `new_tokens` tokens: end-of-sequence ignored, so every option does the
     same work); returns (token ids, timing)."""
+    if option.prefix is not None:
+        return option.prefix.run(ids, new_tokens)
     if option.draft is not None:
         from toolkit.spec.build import draft_length
         from toolkit.spec.decode import speculative_generate
@@ -149,16 +171,24 @@ def run_once(option: Option, tokenizer, ids: list[int], new_tokens: int):
 
 def measure(options: list[Option], tokenizer, encoded: list[list[int]], new_tokens: int, warmup: int = 1,
             repeats: int = 1, progress=None) -> None:
-    """Every option on every prompt, rotating which option goes first, after `warmup` untimed short runs each."""
+    """Every option on every prompt, rotating which option goes first, after `warmup` untimed short runs each.
+    A prefix cache starts each pass empty (its warm-up's blocks dropped too), so prompt i finds only prompts 0..i-1."""
+    prefixed = [o for o in options if o.prefix is not None]
+    for option in prefixed:
+        option.prefix.start(encoded, new_tokens)
     for option in options:
         for _ in range(warmup):
             run_once(option, tokenizer, encoded[0][:64], min(new_tokens, 4))
     for rep in range(repeats):
+        for option in prefixed:
+            option.prefix.start(encoded, new_tokens)
         for i, ids in enumerate(encoded):
             shift = (rep * len(encoded) + i) % len(options)
             for option in options[shift:] + options[:shift]:
                 tokens, timing = run_once(option, tokenizer, ids, new_tokens)
                 option.timings.append(timing)
+                if option.prefix is not None:
+                    option.cached_tokens.append(option.prefix.last_cached)
                 if rep == 0:
                     option.outputs.append(tokens)
                 if progress:
