@@ -135,6 +135,7 @@ def test_auto_whatifs_follow_the_diagnosis():
     assert "lookup" in whatifs.choose("auto", "decode", 0.0) and "kv-int8" not in whatifs.choose("auto", "decode", 0.0)
     prefill = whatifs.choose("auto", "prefill", 0.3)
     assert "lookup" not in prefill and {"w8", "kv-int4"} <= set(prefill)
+    assert "compile" in whatifs.choose("auto", "decode", 0.0) and "compile" not in prefill
     with pytest.raises(Exception, match="unknown what-if"):
         whatifs.choose(["w3"], "decode", 0.0)
 

@@ -5,6 +5,8 @@ Options (names used by `whatifs=`):
     w8, w4            INT8 / INT4 RTN weights (the model's recipe in recipes/ when it has one), quantized on the fly
     kv-int8, kv-int4  a quantized KV cache (conf/kv/)
     lookup, self      speculative decoding with a prompt-lookup or a self (INT4 own-weights) draft (conf/spec/)
+    compile           torch.compile the decode step (engine.compile=true, with torch's kernels: fbgemm's op breaks the
+                      graph); the first step pays the compilation (~1-2 min, in the untimed warm-up)
     prefix-cache      the prompts in order through one paged KV cache with prefix reuse, as `specquant serve
                       prefix_cache=true` runs them: later prompts skip the whole blocks earlier ones began with
                       (prefix_cache.py)
@@ -21,9 +23,9 @@ from toolkit.errors import InputError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-ALL = ("w8", "w4", "kv-int8", "kv-int4", "lookup", "self", "prefix-cache")
+ALL = ("w8", "w4", "kv-int8", "kv-int4", "lookup", "self", "compile", "prefix-cache")
 KNOB = {"baseline": "none", "w8": "weights", "w4": "weights", "kv-int8": "kv", "kv-int4": "kv", "lookup": "spec",
-        "self": "spec", "prefix-cache": "prefix"}
+        "self": "spec", "compile": "engine", "prefix-cache": "prefix"}
 # why an option is applied where it is, when its command is not the baseline's plus an override
 EXPLAIN = {"prefix": "prefix caching lives in the server: requests that begin like an earlier one reuse its cached "
                      "KV blocks and prefill only the rest (`specquant generate` runs every prompt cold)"}
@@ -57,8 +59,8 @@ def choose(requested, dominant: str, kv_share_of_decode: float, repeated_prefix_
         names = ["w8", "w4"]
         if kv_share_of_decode >= KV_SHARE_WORTH_IT:
             names += ["kv-int8", "kv-int4"]
-        if dominant == "decode":
-            names += ["lookup", "self"]
+        if dominant == "decode":  # per-step overhead (not bytes) is what compile removes: decode only
+            names += ["lookup", "self", "compile"]
         if repeated_prefix_share > 0:
             names += ["prefix-cache"]
         return names
@@ -107,6 +109,16 @@ def quantized_copy(model_name: str, recipe, engine_cfg):
     return model
 
 
+def compiled_copy(model_name: str, engine_cfg):
+    """A fresh copy of the model (a checkpoint directory too) prepared as the engine would with engine.compile=true:
+    torch's kernels (fbgemm's packed op is opaque to the compiler and breaks the graph) and a compiled decode
+    forward. A copy, because compiling attaches the compiled forward to the model the baseline also runs."""
+    from toolkit.engine.setup import load_engine_model
+
+    cfg = OmegaConf.merge(engine_cfg, {"gemm": "torch", "compile": True})
+    return load_engine_model(model_name, cfg).model
+
+
 def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, spec_cfg, tokenizer,
                   quantized_input: bool) -> tuple[list[Option], list[str]]:
     """The baseline (the user's own settings) and each named option; returns them and notes on options skipped."""
@@ -131,6 +143,12 @@ def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, s
                 continue
             options.append(Option(name, knob, base, OmegaConf.load(CONF_DIR / "kv" / f"{kind}.yaml"), spec_cfg,
                                   apply=f"kv={kind}"))
+        elif knob == "engine":
+            if engine_cfg.get("compile"):
+                notes.append(f"{name}: skipped, the baseline already runs engine.compile=true")
+                continue
+            options.append(Option(name, knob, compiled_copy(model_name, engine_cfg), kv_cfg, spec_cfg,
+                                  apply="engine.compile=true engine.gemm=torch"))
         elif knob == "prefix":
             from toolkit.diagnose.prefix_cache import PrefixCacheRun
             from toolkit.kv import kv_kind
