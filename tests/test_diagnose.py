@@ -81,6 +81,7 @@ def test_every_whatif_was_measured_and_the_recommendation_names_one(report):
         assert row["runs"] == 2 and row["kl"] >= 0
     # greedy speculative decoding and the prefix cache (here with nothing to reuse) reproduce the baseline's tokens
     assert rows["lookup"]["token_agreement"] == 1.0 and rows["self"]["token_agreement"] == 1.0
+    assert "engine.compile=true" in rows["compile"]["command"] and rows["compile"]["kl"] < 1e-3
     assert rows["prefix-cache"]["token_agreement"] == 1.0 and result["whatifs"]["prefix_cache"]["cached_tokens"] == 0
     assert rows["w4"]["kl"] > rows["w8"]["kl"] > 0  # weight quantization measured against the baseline
     rec = result["recommendation"]
