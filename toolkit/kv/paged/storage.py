@@ -33,6 +33,7 @@ class FPBlockStorage:
         shape = (num_blocks * block_size, 2, kv_heads, head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.keys = [t[:, 0] for t in self.kv]
+        self._workspace = None  # gather output, shared by all layers (see gather)
         self.values = [t[:, 1] for t in self.kv]
         self.block_size, self.dtype = block_size, dtype
 
@@ -47,9 +48,19 @@ class FPBlockStorage:
         self.values[layer].index_copy_(0, slots, values.transpose(1, 2).reshape(-1, heads, dim))
 
     def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [rows, heads, width, dim] of the slots `index` [rows, width]."""
+        """Keys and values [rows, heads, width, dim] of the slots `index` [rows, width].
+
+        They are written into one workspace shared by every layer (grown to the largest batch seen, never shrunk):
+        attention consumes a layer's keys/values before the next layer gathers, so the views stay valid exactly as
+        long as they are used, and a serving loop whose batch changes shape every step does not allocate (and
+        fragment) a differently sized tensor per layer per step."""
         rows, width = index.shape
-        kv = self.kv[layer].index_select(0, index.reshape(-1))
+        source = self.kv[layer]
+        n = rows * width
+        if self._workspace is None or self._workspace.shape[0] < n:
+            self._workspace = source.new_empty((max(n, 2 * (0 if self._workspace is None else
+                                                          self._workspace.shape[0])), *source.shape[1:]))
+        kv = torch.index_select(source, 0, index.reshape(-1), out=self._workspace[:n])
         kv = kv.view(rows, width, *kv.shape[1:]).transpose(2, 3)  # [rows, width, heads, 2, dim]
         return kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)
 
