@@ -8,7 +8,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
-from toolkit.engine.generate import generate
+from toolkit.engine.generate import generate, paged_forward
 from toolkit.kv.paged import BlockPool, OutOfBlocks, PagedKVCache
 
 # ---- the pool alone ------------------------------------------------------------------------------------------
@@ -86,13 +86,8 @@ def _prompts(tokenizer, n=6, shared_tokens=40, seed=0):
     return out
 
 
-@torch.inference_mode()
 def _run(model, cache, seq, tokens):
-    positions, mask = cache.bind(seq, tokens)
-    logits = model(input_ids=torch.tensor(tokens), position_ids=positions, attention_mask=mask, cache=cache,
-                   use_cache=True).logits[:, -1]
-    cache.commit()
-    return logits
+    return paged_forward(model, cache, seq, tokens)
 
 
 def _paged_greedy(model, cache, prompts, new_tokens, reuse_prefix=True, one_at_a_time=False):

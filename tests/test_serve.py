@@ -386,8 +386,9 @@ def test_overflowed_step_is_redone_exactly(tiny_model, monkeypatch):
     exact_linears every call writes garbage keys/values and returns NaN logits. The redo reruns the same binding
     (nothing is committed before it), overwriting the garbage, so prefills (prefix reuse included), decode steps and
     preempted sequences all still match generate()."""
+    import importlib
+
     from toolkit.engine.precision import HalfStorageLinear
-    from toolkit.serve import scheduler as scheduler_module
     from toolkit.serve.scheduler import Limits
 
     model, tokenizer = tiny_model
@@ -404,7 +405,8 @@ def test_overflowed_step_is_redone_exactly(tiny_model, monkeypatch):
         calls["inexact"] += 1
         return torch.full_like(output, float("nan"))
 
-    monkeypatch.setattr(scheduler_module, "may_overflow", lambda model: True)
+    generate_module = importlib.import_module("toolkit.engine.generate")  # the module, not the function it exports
+    monkeypatch.setattr(generate_module, "may_overflow", lambda model: True)  # paged_forward's check
     hooks = [model.get_input_embeddings().register_forward_hook(garbage_in),
              model.get_output_embeddings().register_forward_hook(nan_out)]
     try:

@@ -45,7 +45,8 @@ import time
 
 import torch
 
-from toolkit.engine.generate import decode_step, generate, left_pad, positions_from_mask, prefill, stop_token_ids
+from toolkit.engine.generate import (decode_step, generate, left_pad, paged_forward, positions_from_mask, prefill,
+                                     stop_token_ids)
 from toolkit.engine.kv_cache import ContiguousKVCache
 from toolkit.errors import InputError
 from toolkit.kv.paged import OutOfBlocks, PagedKVCache
@@ -53,16 +54,7 @@ from toolkit.kv.paged import OutOfBlocks, PagedKVCache
 MIB = 1 << 20
 
 
-# --- paged generation: the calling convention of toolkit.kv.paged.cache ---------------------------------------------
-def paged_forward(model, cache: PagedKVCache, seqs, new_tokens: list[list[int]]) -> torch.Tensor:
-    """One model call adding `new_tokens` (same count per row) to `seqs`; the last position's logits [rows, vocab]."""
-    positions, mask = cache.bind(seqs, new_tokens)
-    logits = model(input_ids=torch.tensor(new_tokens, device=cache.device), position_ids=positions,
-                   attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    cache.commit()
-    return logits
-
-
+# --- paged generation: the calling convention of toolkit.kv.paged.cache (toolkit.engine.generate.paged_forward) -
 def paged_greedy(model, cache: PagedKVCache, prompt: list[int], new_tokens: int, reuse_prefix: bool):
     """Greedy tokens for one prompt; returns (tokens, seconds to the first token, the sequence - caller frees it)."""
     start = time.perf_counter()

@@ -10,8 +10,7 @@ Keys/values reused from the cache are the ones the prompt would have computed, s
 
 import torch
 
-from toolkit.engine.generate import takes_logits_to_keep
-from toolkit.engine.precision import exact_linears, may_overflow
+from toolkit.engine.generate import paged_forward
 from toolkit.engine.timing import GenerationTiming, Stopwatch
 from toolkit.kv.paged import PagedKVCache
 
@@ -41,30 +40,12 @@ class PrefixCacheRun:
         watch = Stopwatch()
         seq = self.cache.new_sequence(ids, reuse_prefix=True)
         try:
-            tokens = [int(self._forward(seq, ids[seq.length:]).argmax(-1))]
+            tokens = [int(paged_forward(self.model, self.cache, [seq], [ids[seq.length:]])[0].argmax(-1))]
             watch.mark()
             for _ in range(new_tokens - 1):
-                tokens.append(int(self._forward(seq, [tokens[-1]]).argmax(-1)))
+                tokens.append(int(paged_forward(self.model, self.cache, [seq], [[tokens[-1]]])[0].argmax(-1)))
                 watch.mark()
         finally:
             self.cache.free(seq)  # its registered blocks stay in the cache for the next prompts
         self.last_cached = seq.cached_tokens
         return tokens, watch.timing(len(ids), 1)
-
-    def _forward(self, seq, new: list[int]) -> torch.Tensor:
-        """One model call adding `new` to `seq`: the last position's logits [vocab] (as the server's scheduler)."""
-        cache, model = self.cache, self.model
-        positions, mask = cache.bind([seq], [list(new)])
-        ids = torch.tensor([list(new)], device=cache.device)
-        kwargs = {"logits_to_keep": 1} if takes_logits_to_keep(type(model)) else {}
-
-        def run():
-            return model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
-                         **kwargs).logits[0, -1]
-
-        logits = run()
-        if may_overflow(model) and not torch.isfinite(logits).all():
-            with exact_linears():  # nothing is committed yet: the rerun overwrites the same bound slots
-                logits = run()
-        cache.commit()
-        return logits

@@ -66,6 +66,30 @@ def _forward(model, input_ids, attention_mask, position_ids, cache, forward=None
 
 
 @torch.inference_mode()
+def paged_forward(model, cache, seqs, new_tokens: list[list[int]], keep: int = 1) -> torch.Tensor:
+    """One model call over a paged KV cache (toolkit.kv.paged): `new_tokens` (the same number per sequence) added to
+    `seqs`; the logits of each one's last position [rows, vocab], or of its last `keep` [rows, keep, vocab].
+    Raises OutOfBlocks, before running anything, if the pool cannot hold the tokens. An fp16 overflow reruns the
+    same binding in exact arithmetic: nothing is committed before `commit()`, so the rerun overwrites the same
+    slots."""
+    positions, mask = cache.bind(seqs, new_tokens)
+    ids = torch.tensor(new_tokens, device=cache.device)
+    kwargs = {"logits_to_keep": keep} if takes_logits_to_keep(type(model)) else {}
+
+    def run():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                       **kwargs).logits
+        return logits[:, -1] if keep == 1 else logits[:, -keep:]
+
+    logits = run()
+    if may_overflow(model) and not torch.isfinite(logits).all():
+        with exact_linears():
+            logits = run()
+    cache.commit()
+    return logits
+
+
+@torch.inference_mode()
 def prefill(model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
     """Run the prompts [batch, T] through the model, filling `cache`; return the last position's logits."""
     return _forward(model, input_ids, attention_mask, position_ids, cache)

@@ -39,8 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.generate import Detokenizer, takes_logits_to_keep
-from toolkit.engine.precision import exact_linears, may_overflow
+from toolkit.engine.generate import Detokenizer, paged_forward
 from toolkit.engine.sampling import sample
 from toolkit.kv.paged import OutOfBlocks
 from toolkit.serve.kv_pool import make_cache, prefill_cost, residual_tokens, staging_blocks
@@ -274,9 +273,7 @@ class Scheduler:
         lengths = [s.kv.length for s in seqs]
         try:
             logits = self._forward(seqs, rows, keep=width + 1)
-        except OutOfBlocks:  # give back the blocks the failed bind took for the rows before the one that failed
-            for seq in seqs:
-                self.cache.crop_sequence(seq.kv, seq.kv.length)
+        except OutOfBlocks:  # the failed bind gave back what it took (PagedKVCache.bind)
             return False
         self.spec_rounds += 1
         for seq, drafted, row_logits, length in zip(seqs, drafts, logits, lengths):
@@ -304,26 +301,8 @@ class Scheduler:
         return self.spec.draft.lookup(seq.context_ids, k) if k > 0 else []
 
     def _forward(self, seqs: list[Sequence], new_tokens: list[list[int]], keep: int = 1) -> torch.Tensor:
-        """One model call adding `new_tokens` (the same number per sequence) to `seqs`; the logits of each one's last
-        position [rows, vocab], or of its last `keep` positions [rows, keep, vocab] when keep > 1. Raises
-        OutOfBlocks, before running anything, if the pool cannot hold the tokens."""
-        positions, mask = self.cache.bind([s.kv for s in seqs], new_tokens)
-        ids = torch.tensor(new_tokens, device=self.device)
-        kwargs = {"logits_to_keep": keep} if takes_logits_to_keep(type(self.model)) else {}
-
-        def run():
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                                use_cache=True, **kwargs).logits
-            return logits[:, -1] if keep == 1 else logits[:, -keep:]
-
-        logits = run()
-        if may_overflow(self.model) and not torch.isfinite(logits).all():
-            # the overflowed call wrote garbage keys/values to the bound slots; nothing is committed until
-            # commit(), so running the same binding again overwrites exactly those slots
-            with exact_linears():
-                logits = run()
-        self.cache.commit()
-        return logits
+        """One model call adding `new_tokens` to `seqs` (toolkit.engine.generate.paged_forward)."""
+        return paged_forward(self.model, self.cache, [s.kv for s in seqs], new_tokens, keep)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and put it back at the head of the queue, to be recomputed from prompt + generated."""
