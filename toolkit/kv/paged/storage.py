@@ -33,8 +33,8 @@ class FPBlockStorage:
         shape = (num_blocks * block_size, 2, kv_heads, head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.keys = [t[:, 0] for t in self.kv]
-        self._workspace = None  # gather output, shared by all layers (see gather)
         self.values = [t[:, 1] for t in self.kv]
+        self._workspace = None  # gather output, shared by all layers (see gather)
         self.block_size, self.dtype = block_size, dtype
 
     @staticmethod
@@ -57,9 +57,9 @@ class FPBlockStorage:
         rows, width = index.shape
         source = self.kv[layer]
         n = rows * width
-        if self._workspace is None or self._workspace.shape[0] < n:
-            self._workspace = source.new_empty((max(n, 2 * (0 if self._workspace is None else
-                                                          self._workspace.shape[0])), *source.shape[1:]))
+        held = 0 if self._workspace is None else self._workspace.shape[0]
+        if held < n:  # grow at least twofold, so a slowly growing batch reallocates rarely
+            self._workspace = source.new_empty((max(n, 2 * held), *source.shape[1:]))
         kv = torch.index_select(source, 0, index.reshape(-1), out=self._workspace[:n])
         kv = kv.view(rows, width, *kv.shape[1:]).transpose(2, 3)  # [rows, width, heads, 2, dim]
         return kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)
