@@ -93,18 +93,47 @@ def test_feeding_windows_through_the_fp_cache_matches_one_pass(tiny_model, tiny_
     torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)
 
 
-def test_continuations_through_the_cache_match_plain_passes_with_padding(tiny_model, tiny_tokenizer):
+def _plain_scores(model, encoded):
+    """Each (context, continuation) as one unpadded sequence in one plain forward pass: what batching, padding,
+    the shared prefill and the cache must reproduce."""
+    out = []
+    for context, continuation in encoded:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([context + continuation]), use_cache=False).logits[0].float()
+        pred = logits[len(context) - 1:-1]
+        target = torch.tensor(continuation)
+        out.append({"logprob": pred.log_softmax(-1).gather(-1, target[:, None]).sum().item(),
+                    "greedy": bool((pred.argmax(-1) == target).all())})
+    return out
+
+
+@pytest.mark.parametrize("kv", ["fp", "int8"])
+def test_shared_context_scoring_matches_one_plain_pass_per_pair(tiny_model, tiny_tokenizer, kv):
     model, _ = tiny_model
+    shared = "Names refer to objects. Names are introduced by name binding"
     pairs = [("The for statement is used to", " iterate"), ("A", " class definition defines a class object"),
-             ("Names refer to objects. Names are introduced by name binding", " operations")]
+             (shared, " operations"), (shared, " statements and more"), (shared, " of"), (shared, " x y z w v"),
+             ("Exceptions", " are raised")]
     encoded = encode_pairs(tiny_tokenizer, pairs, max_context=64)
     assert all(c[0] == tiny_tokenizer.bos_token_id for c, _ in encoded)
-    plain = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, batch_size=3)
-    cached = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, batch_size=3, kv_cfg="fp", cached=True)
-    alone = [score_continuations(model, [e], tiny_tokenizer.pad_token_id)[0] for e in encoded]
-    for a, b, c in zip(plain, cached, alone):
-        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-3) == pytest.approx(c["logprob"], abs=1e-3)
-        assert a["greedy"] == b["greedy"] == c["greedy"]
+    plain = _plain_scores(model, encoded)
+    # int8 with a residual window longer than any passage: the cache hands back exactly what it stored
+    kv_cfg = "fp" if kv == "fp" else {"kind": "int8", "residual": 128}
+    for batch_size in (1, 3, 16):  # a group of four never splits: batch 1 and 3 still hold the shared context whole
+        got = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, batch_size, kv_cfg)
+        for a, b in zip(got, plain):
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-3)
+            assert a["greedy"] == b["greedy"]
+
+
+def test_a_quantized_cache_changes_continuation_scores_when_it_is_read(tiny_model, tiny_tokenizer):
+    model, _ = tiny_model
+    context = " ".join(["Names refer to objects and are introduced by name binding operations."] * 6)
+    encoded = encode_pairs(tiny_tokenizer, [(context, " operations"), (context, " statements")], max_context=64)
+    fp = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, 16, "fp")
+    int2 = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, 16,
+                               {"kind": "int2", "residual": 0, "group_size": 16})
+    assert any(abs(a["logprob"] - b["logprob"]) > 1e-3 for a, b in zip(fp, int2))
 
 
 def test_items_are_deterministic_cached_and_plentiful(pydoc_texts, tmp_path, monkeypatch):
@@ -201,3 +230,36 @@ def test_a_quantized_kv_cache_is_read_back_and_shows_in_the_figures(tiny_llama_d
                     log=lambda line: None)
     assert out["protocol"]["ppl"]["chunk"] == 24 and out["protocol"]["ppl"]["kv"] == "int2"
     assert out["figures"]["kl"] > 1e-4
+
+
+def test_reference_scores_are_cached_keyed_by_weights_and_rescored_when_damaged(tiny_llama_dir, tiny_tokenizer,
+                                                                                tmp_path, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.evaluation.reference_scores import cached_reference_scores
+
+    monkeypatch.setenv("SPECQUANT_HOME", str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    encoded = encode_pairs(tiny_tokenizer, [("The for statement is used to", " iterate"), ("A", " class")], 64)
+    calls = []
+
+    def score(m):
+        calls.append(1)
+        return score_continuations(m, encoded, tiny_tokenizer.pad_token_id, 4)
+
+    first, hit = cached_reference_scores(model, encoded, 4, "cloze", lambda: score(model))
+    again, hit2 = cached_reference_scores(model, encoded, 4, "cloze", lambda: score(model))
+    assert (hit, hit2, len(calls)) == (False, True, 1) and again == first
+    # another batch size, other rows or other weights: not the same scores
+    assert not cached_reference_scores(model, encoded, 2, "cloze", lambda: score(model))[1]
+    assert not cached_reference_scores(model, encoded[:1], 4, "cloze", lambda: score(model))[1]
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.01)
+    changed, hit3 = cached_reference_scores(model, encoded, 4, "cloze", lambda: score(model))
+    assert not hit3 and changed != first
+    path = max((tmp_path / "eval-items" / "reference-scores").glob("cloze-*.json"), key=lambda p: p.stat().st_mtime)
+    stored = json.loads(path.read_text())
+    stored["scores"][0]["logprob"] += 1.0
+    path.write_text(json.dumps(stored))
+    rescored, hit4 = cached_reference_scores(model, encoded, 4, "cloze", lambda: score(model))
+    assert not hit4 and rescored == changed and "damaged" in capsys.readouterr().err

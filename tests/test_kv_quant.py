@@ -129,6 +129,37 @@ def test_crop_then_append_equals_the_shorter_cache_built_fresh(kind, crop_to):
     assert cache.nbytes == fresh.nbytes
 
 
+@pytest.mark.parametrize("kind,dequant", [("fp", None), ("int8", "full"), ("int4", "full"), ("int2", "full"),
+                                          ("hierarchical", "full"), ("int4", "cached")])
+def test_reorder_cache_equals_the_cache_built_from_the_reordered_rows(kind, dequant):
+    # Beam search's reorder and evaluation's one-context-many-endings both pick (and repeat) batch rows; every
+    # per-row buffer must follow, so later appends and reads match a cache fed those rows from the start.
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(3, 2, 40, 16, generator=gen), torch.randn(3, 2, 40, 16, generator=gen)
+    rows = torch.tensor([2, 0, 0, 1, 2])
+
+    def make():
+        if kind == "fp":
+            return ContiguousKVCache(2, 48)
+        node = {"kind": "int8", "hierarchical": True} if kind == "hierarchical" else {"kind": kind}
+        return QuantizedKVCache(2, 48, quant_config({**node, "residual": 8, "group_size": 8, "dequant": dequant}))
+
+    cache = make()
+    _feed(cache, k, v, [21, 3])
+    cache.reorder_cache(rows)
+    fresh = make()
+    _feed(fresh, k[rows], v[rows], [21, 3])
+    for (ka, va), (kb, vb) in zip(_feed(cache, k[rows], v[rows], [1, 9, 6], 24),
+                                  _feed(fresh, k[rows], v[rows], [1, 9, 6], 24), strict=True):
+        assert ka.shape[0] == 5 and torch.equal(ka, kb) and torch.equal(va, vb)
+    cache.crop(37)  # back below the last flush: the shadow group, reordered too, comes back
+    fresh.crop(37)
+    for (ka, va), (kb, vb) in zip(_feed(cache, k[rows], v[rows], [3], 37), _feed(fresh, k[rows], v[rows], [3], 37),
+                                  strict=True):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert cache.nbytes == fresh.nbytes
+
+
 def test_crop_then_append_in_a_model_equals_the_same_run_stopped_there(llama):
     # In a model, keys of later layers depend on what earlier layers read back, so the fresh run takes the same
     # chunks up to the crop point (a speculative loop's rollback then re-decode).

@@ -142,8 +142,10 @@ def test_a_speculative_row_takes_the_targets_quality_and_says_so(store):
     spec["config"]["spec"] = {"kind": "lookup"}
     rows = build_rows([*results, spec], "pydoc")
     row = next(r for r in rows if r.spec == "lookup")
-    assert row.quality["ppl"] == 10.25 and "lossless" in row.quality_protocol and row.tokens_per_s == 70.0
-    assert recommend(rows, 0.03)[0] is row
+    target = next(r for r in rows if r.model == row.model and r.spec == "none")
+    assert row.quality["ppl"] == 10.25 and row.quality_protocol == target.quality_protocol
+    assert row.tokens_per_s == 70.0 and recommend(rows, 0.03)[0] is row
+    assert "Rows with speculation show the quality of their target" in render_markdown(rows)
 
 
 def test_the_html_page_renders_in_headless_chromium_without_network(store, tmp_path):
@@ -169,3 +171,58 @@ def test_the_default_store_follows_specquant_store(tmp_path, monkeypatch):
     assert append_to_store({"kind": "bench"}) == tmp_path / "s.jsonl"
     assert append_to_store({"kind": "bench"}, "none") is None
     assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 1
+
+
+def _kv_eval(kind, residual, ppl):
+    """A quantized-KV eval with ppl only (what the sweep runs), its residual window in the resolved config."""
+    return {"kind": "eval", "config": {"model": {"name": "smollm2-135m"}, "kv": {"kind": kind, "residual": residual}},
+            "model": "smollm2-135m", "kv": kind, "data": "pydoc/evaluation", "ppl": ppl, "ref_ppl": 10.0, "kl": 0.02,
+            "top1_agreement": 0.9, "protocol": {"ppl": {"text": "pydoc/evaluation, 8 x 512, chunked"}}}
+
+
+def test_quantized_kv_rows_borrow_cloze_mc_gen_only_when_the_residual_window_holds_them():
+    fp = _eval("smollm2-135m", "fp", 10.0)
+    fp["protocol"].update({"cloze": {"text": "cloze", "max_context": 128}, "mc": {"text": "mc", "max_context": 128},
+                           "gen": {"text": "gen", "prompt_tokens": 64, "new_tokens": 32}})
+    rows = {(r.model, r.kv): r for r in build_rows([fp, _kv_eval("int8", 128, 10.05), _kv_eval("int4", 32, 10.4)])}
+    wide, narrow = rows[("smollm2-135m", "int8")], rows[("smollm2-135m", "int4")]
+    assert wide.quality["cloze_accuracy"] == 0.4 and wide.quality["mc_accuracy"] == 0.5
+    assert wide.quality["gen_prefix_match"] == 0.8 and wide.quality["ppl"] == 10.05  # its own ppl stays
+    assert "cloze (128 tokens), mc (128 tokens), gen (96 tokens) from the kv=fp row" in wide.quality_protocol
+    assert "kv.residual=128" in wide.quality_protocol
+    # a 32-token residual window: passages reach quantized keys and values, so nothing can be borrowed
+    assert not any(k in narrow.quality for k in ("cloze_accuracy", "mc_accuracy", "gen_prefix_match"))
+    assert "from the kv=fp row" not in narrow.quality_protocol
+
+
+def _spec_bench(kv, tps, speedup, identical=True, peer=False):
+    result = {**_bench("smollm2-135m", kv, tps), "spec": "lookup", "draft": "lookup (n-grams 1..3)", "k": 8,
+              "adaptive": False, "speedup_vs_nospec": speedup, "identical_outputs": identical,
+              "acceptance_rate": 0.4, "mean_accepted": 2.5, "itl_ms": {"mean": 1000 / tps}}
+    result["config"]["spec"] = {"kind": "lookup"}
+    del result["speedup_vs_baseline"]
+    if peer:
+        result["peer_assisted"] = {"model": "smollm2-135m", "dtype": "fp32", "k": 8, "speedup_vs_generate": 1.2,
+                                   "identical_outputs": True, "generate": {"tokens_per_s": 20.0},
+                                   "assisted": {"decode_tokens_per_s": 25.0, "ttft_ms": 90.0, "tokens_per_s": 24.0}}
+    return result
+
+
+def test_spec_and_peer_rows_show_speedups_acceptance_and_the_reference_quality():
+    plain = {**_bench("smollm2-135m", "fp", 30.0), "baseline": {"decode_tokens_per_s": 20.0, "ttft_ms": 100.0,
+                                                               "itl_ms": {"p50": 50.0}, "dtype": "fp32"}}
+    results = [_eval("smollm2-135m", "fp", 10.5), plain, _spec_bench("fp", 60.0, 1.9, peer=True),
+               _spec_bench("int8", 50.0, 1.6, identical=False)]
+    rows = build_rows(results)
+    spec = next(r for r in rows if r.spec == "lookup" and r.kv == "fp")
+    assert spec.quality["ppl"] == 10.5
+    peers = [r for r in rows if r.peer]
+    assert [r.spec for r in peers] == ["generate", "assisted"]
+    assert all(r.quality["ppl"] == r.quality["ref_ppl"] == 10.0 and r.quality["kl"] == 0.0 for r in peers)
+    assert peers[1].speed["speedup_vs_nospec"] == 1.2 and peers[0].tokens_per_s == 20.0
+    text = render_markdown(rows)
+    line = next(li for li in text.splitlines() if "kv fp, spec lookup" in li)
+    assert "| 1.90 [s" in line and "0.40 (2.5/round)" in line and "50.0 mean" not in line and "16.7 mean" in line
+    assert "| 1.60 (outputs differ) [s" in next(li for li in text.splitlines() if "kv int8, spec lookup" in li)
+    assert "peer: transformers assisted generation (prompt lookup, k=8)" in text
+    assert recommend(rows, 0.1)[0].peer is False  # peers are shown, never recommended

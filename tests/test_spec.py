@@ -299,3 +299,38 @@ def test_the_self_draft_shares_the_targets_modules_and_leaves_it_untouched(llama
     assert all(a is b for a, b in zip(shared.model.layers, llama.model.layers))
     with pytest.raises(InputError, match="layers"):
         build_self_draft(llama, layers=3)
+
+
+def test_transformers_assisted_lookup_peer_runs_greedy_and_matches_its_plain_generate(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.bench.peers import assisted_lookup_peer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    repetitive = [5, 6, 7, 8, 9, 10] * 6  # n-grams to look up
+    peer = assisted_lookup_peer(model, [repetitive, list(range(20, 60))], new_tokens=12, k=4, repeats=1, warmup=0)
+    assert peer["identical_outputs"] is True and peer["k"] == 4
+    for path in ("generate", "assisted"):
+        assert peer[path]["runs"] == 2 and peer[path]["tokens_per_s"] > 0 and peer[path]["ttft_ms"] > 0
+    assert peer["speedup_vs_generate"] > 0
+
+
+def test_self_draft_of_a_quantized_target_requantizes_wider_codes_and_keeps_narrower_ones(llama_and_gemma):
+    import copy
+
+    from toolkit.quant.model_quant import QuantRecipe, quantize_model, swap_quantized_modules
+    from toolkit.quant.qlinear import QuantLinear
+
+    llama, _, tok = llama_and_gemma
+    prompts = _prompts(4)
+    for bits in (8, 4):
+        target = copy.deepcopy(llama)
+        swap_quantized_modules(target.model.layers, quantize_model(target.model.layers, QuantRecipe(
+            method="rtn", bits=bits, group_size=32, skip=()), progress=False), QuantLinear.from_quantized)
+        draft = build_self_draft(target, bits=4, group_size=32)
+        codes = {m.bits for m in draft.model.layers.modules() if isinstance(m, QuantLinear)}
+        assert codes == {4}  # int8 codes went back to float and down to int4; int4 codes stayed
+        reference = _ids(generate(target, tok, prompts, 12, stop_tokens=set()))
+        got = _ids(speculative_generate(target, tok, prompts, 12, ModelDraft(draft), DraftLength(k=3),
+                                        stop_tokens=set()))
+        assert got == reference

@@ -11,11 +11,14 @@ includes the draft's own prefill, which is part of its cost). `identical_outputs
 
 import statistics
 import time
+
+import torch
 from collections import Counter
 
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
 from toolkit.errors import InputError
+from toolkit.kv import kv_kind
 from toolkit.spec.decode import DraftLength, speculative_generate
 
 
@@ -80,6 +83,12 @@ def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[l
         "accepted_histogram": {int(k): v for k, v in sorted(histogram.items())},
         "draft_s": pooled["draft_s"],
         "verify_s": pooled["verify_s"],
+        # the spec path's own latency figures, comparable with a plain bench row: prefill (TTFT) and the tokens
+        # after the first per second of the rest; per-token ITL percentiles mean little when tokens arrive in
+        # bursts of accepted drafts, so the mean is given
+        "ttft_ms": 1000 * statistics.mean(prefills["spec"]),
+        "decode_tokens_per_s": (generated - len(totals["spec"])) / spec_decode,
+        "itl_ms": {"mean": 1000 * spec_decode / (generated - len(totals["spec"]))},
         "nospec_tokens_per_s": generated / nospec_s,
         "spec_tokens_per_s": generated / spec_s,
         "speedup_vs_nospec": nospec_s / spec_s,
@@ -99,8 +108,11 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_tokens: int, new_tokens: int,
-               n_prompts: int, repeats: int, warmup: int, config: dict, kv=None) -> dict:
-    """Load the target, build the draft `spec_cfg` names, time both paths; returns the result record."""
+               n_prompts: int, repeats: int, warmup: int, config: dict, kv=None, baseline: str = "none",
+               baseline_dtype: str = "fp32") -> dict:
+    """Load the target, build the draft `spec_cfg` names, time both paths; returns the result record.
+    baseline=hf with spec=lookup and the fp cache also times the peer, transformers' assisted generation with
+    prompt lookup on the float model (toolkit.bench.peers), once per model rather than once per KV kind."""
     from toolkit.data import build_prompts
     from toolkit.engine.setup import load_engine_model
     from toolkit.machine import machine_facts
@@ -115,8 +127,20 @@ def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_token
     machine = machine_facts(measure=True)
     figures = run_spec_bench(loaded.model, loaded.tokenizer, draft, length, prompt_ids, new_tokens, repeats, warmup,
                              kv=kv)
-    figures = {"model": loaded.name, "prompts": prompts, "threads": engine_cfg.threads, "spec": spec_cfg.kind,
+    figures = {"model": loaded.name, "prompts": prompts, "threads": torch.get_num_threads(), "spec": spec_cfg.kind,
                "draft": describe_draft(draft), "k": length.k, "adaptive": length.adaptive, **figures}
+    if baseline == "hf" and spec_cfg.kind == "lookup" and kv_kind(kv) == "fp":
+        from toolkit.bench.baseline import float_source
+        from toolkit.bench.peers import assisted_lookup_peer
+        from toolkit.engine.precision import prepare_model, resolve_precision
+        from toolkit.models import load_model
+
+        source = float_source(model_name)
+        reference = load_model(source).model.eval()
+        prepare_model(reference, resolve_precision(baseline_dtype))
+        figures["peer_assisted"] = {"model": source, "dtype": baseline_dtype,
+                                    **assisted_lookup_peer(reference, prompt_ids, new_tokens, length.k, repeats,
+                                                           warmup)}
     return make_result("bench", config, figures, machine)
 
 
@@ -138,3 +162,10 @@ def print_spec_table(result: dict, console) -> None:
                   f"{result['decode_speedup_vs_nospec']:.2f}x after the first token | identical outputs: "
                   f"{result['identical_outputs']} ({result['identical_runs']} runs)")
     console.print(f"kept drafted tokens per round (histogram): {result['accepted_histogram']}", style="dim")
+    if peer := result.get("peer_assisted"):
+        console.print(f"peer, transformers on {peer['model']} {peer['dtype']}: assisted generation "
+                      f"(prompt_lookup_num_tokens={peer['k']}) {peer['assisted']['tokens_per_s']:.1f} tok/s vs its "
+                      f"plain generate() {peer['generate']['tokens_per_s']:.1f} tok/s = "
+                      f"{peer['speedup_vs_generate']:.2f}x | ours (spec) over its assisted: "
+                      f"[bold]{result['spec_tokens_per_s'] / peer['assisted']['tokens_per_s']:.2f}x[/] | identical "
+                      f"outputs: {peer['identical_outputs']}")

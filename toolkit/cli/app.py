@@ -86,9 +86,12 @@ def _flatten(tree: dict, prefix: str = "") -> list[str]:
 def _group_value(arg: str) -> str:
     key, _, value = arg.partition("=")
     group = key.lstrip("+~")
-    if group in ("model", "data") and value and "," not in value and value not in group_options(group):
-        return f"{group}.name={value}"
-    return arg
+    if group not in ("model", "data") or not value:
+        return arg
+    # a group config holds only the name (and data's default split), so a sweep over a mix of config names and
+    # directories is a sweep over `.name`
+    unknown = [p for p in value.split(",") if p not in group_options(group)]
+    return f"{group}.name={value}" if unknown else arg
 
 
 def run_command(command: str, argv: list[str]) -> None:

@@ -7,13 +7,14 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from toolkit.bench.baseline import float_source
 from toolkit.bench.latency import run_latency_bench
 from toolkit.engine.precision import prepare_model, resolve_precision
 from toolkit.engine.setup import configure_threads, load_quantized_model, prepare_engine_model
 from toolkit.errors import InputError
 from toolkit.machine import machine_facts
-from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
-from toolkit.quant.formats import export_source, is_foreign_quantized
+from toolkit.quant.checkpoint import is_quantized_checkpoint
+from toolkit.quant.formats import is_foreign_quantized
 from toolkit.results import append_to_store, make_result, write_result
 
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -33,12 +34,7 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
         # the baseline is transformers on the float model the checkpoint was quantized from
         loaded = load_quantized_model(model_name)
         if baseline == "hf":
-            source = (read_manifest(model_name)["source"] if is_quantized_checkpoint(model_name)
-                      else export_source(model_name))
-            if not source:
-                raise InputError(f"{model_name} does not record the float model it was quantized from",
-                                 "pass baseline=none, or bench the float model separately")
-            reference = load_model(source).model
+            reference = load_model(float_source(model_name)).model
     else:
         loaded = load_model(model_name)
         if baseline == "hf":
@@ -94,7 +90,7 @@ def run(cfg) -> dict:
 
         result = spec_bench(cfg.model.name, cfg.engine, spec, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens,
                             cfg.n_prompts, cfg.repeats, cfg.warmup, OmegaConf.to_container(cfg, resolve=True),
-                            kv=cfg.kv)
+                            kv=cfg.kv, baseline=cfg.baseline, baseline_dtype=cfg.baseline_dtype)
         print_spec_table(result, console)
     else:
         result = bench(cfg.model.name, cfg.engine, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens, cfg.n_prompts,

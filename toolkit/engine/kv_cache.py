@@ -69,6 +69,14 @@ class ContiguousKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.crop(0)
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows of the batch picked (and repeated) by `beam_idx`: beam search's reorder, and how one prefilled
+        context serves several continuations (evaluation's multiple choice)."""
+        if self.is_initialized:
+            self.key_buffer = self.key_buffer.index_select(0, beam_idx.to(self.device))
+            self.value_buffer = self.value_buffer.index_select(0, beam_idx.to(self.device))
+            self.crop(self.length)  # re-point the views at the new buffers
+
     @property
     def nbytes(self) -> int:
         """Bytes the filled part holds (what a decode step reads), not the preallocated capacity."""

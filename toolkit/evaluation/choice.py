@@ -4,6 +4,7 @@
 tokenisations."""
 
 from toolkit.evaluation.continuation import encode_pairs, score_continuations
+from toolkit.evaluation.reference_scores import cached_reference_scores
 
 
 def _choices(scores: list[dict], items: list[dict], normalise: bool) -> list[int]:
@@ -16,15 +17,18 @@ def _choices(scores: list[dict], items: list[dict], normalise: bool) -> list[int
 
 
 def score_choice(model, tokenizer, items: list[dict], reference=None, max_context: int = 128, batch_size: int = 16,
-                 kv_cfg=None, cached: bool = False, progress=None) -> dict:
+                 kv_cfg=None, progress=None) -> dict:
     pairs = [(item["context"], ending) for item in items for ending in item["endings"]]
     encoded = encode_pairs(tokenizer, pairs, max_context)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    got = score_continuations(model, encoded, pad, batch_size, kv_cfg, cached, progress)
-    ref = got if reference is None else score_continuations(reference, encoded, pad, batch_size, progress=progress)
+    got = score_continuations(model, encoded, pad, batch_size, kv_cfg, progress)
+    ref, stored = got, False
+    if reference is not None:
+        ref, stored = cached_reference_scores(reference, encoded, batch_size, "mc", lambda: score_continuations(
+            reference, encoded, pad, batch_size, progress=progress))
     labels = [item["label"] for item in items]
     n = len(items)
-    figures = {}
+    figures = {"ref_from_cache": stored}
     for suffix, norm in (("", False), ("_norm", True)):
         mine, theirs = _choices(got, items, norm), _choices(ref, items, norm)
         figures[f"mc_accuracy{suffix}"] = sum(a == b for a, b in zip(mine, labels)) / n

@@ -2,8 +2,9 @@
 
 Tasks: `ppl` (perplexity), `kl` (KL divergence and top-1 agreement; same windows and passes as ppl, so asking for
 either computes both), `cloze`, `mc`, `gen`. A full-precision KV cache hands back exactly what was stored, so
-with kv=fp every task runs plain forward passes; with a quantized kind, windows are fed `chunk` tokens at a time
-and cloze/mc passages are fed context-then-continuation through the cache (see forward.py, continuation.py)."""
+with kv=fp perplexity windows run as plain forward passes; with a quantized kind they are fed `chunk` tokens at a
+time. Cloze/mc passages are prefilled into the cache once and their continuations read them back, whatever the
+kind (see forward.py, continuation.py)."""
 
 import time
 from dataclasses import asdict, dataclass
@@ -17,7 +18,7 @@ from toolkit.evaluation.generation import gen_prompts, score_generation
 from toolkit.evaluation.items import load_items, spread
 from toolkit.evaluation.perplexity import score_windows
 from toolkit.evaluation.windows import make_windows
-from toolkit.kv import kv_kind
+from toolkit.kv import kv_kind, quant_config
 
 TASKS = ("ppl", "kl", "cloze", "mc", "gen")
 
@@ -73,15 +74,23 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
             scorer = score_cloze if task == "cloze" else score_choice
             describe = (f"{data}: {len(chosen)} of {len(items)} {task} items (content hash {key[:16]}), "
                         f"passages cut to {settings.max_context} tokens (BOS first)"
-                        + (", fed context-then-continuation through the KV cache" if through_cache else ""))
+                        + f", each passage prefilled once into the {kind} KV cache, its continuations fed behind it"
+                        + (f" (the passages fit the cache's full-precision residual window of {residual} tokens, "
+                           f"so no quantized key or value is read: these scores are the fp cache's)"
+                           if through_cache and (residual := quant_config(kv_cfg).residual) >= settings.max_context
+                           else ""))
             log(f"{task}: {describe}")
             rows = len(chosen) * (1 if task == "cloze" else len(chosen[0]["endings"])) * (1 + (reference is not None))
             with tqdm(total=rows, desc=task, unit="row", leave=False, disable=not progress) as bar:
-                figures.update(scorer(model, tokenizer, chosen, reference, settings.max_context,
-                                      settings.item_batch_size, kv_cfg, through_cache, bar.update))
+                scored = scorer(model, tokenizer, chosen, reference, settings.max_context,
+                                settings.item_batch_size, kv_cfg, bar.update)
+            from_cache = scored.pop("ref_from_cache")
+            figures.update(scored)
             protocol[task] = {"items": len(chosen), "built": len(items), "items_hash": key,
                               "max_context": settings.max_context, "kv": kind, "text": describe,
-                              "reference": reference_note}
+                              "reference": reference_note + (" (its scores read from the disk cache, see "
+                                                             "toolkit.evaluation.reference_scores)" if from_cache
+                                                             else "")}
         elif task == "gen":
             prompts = gen_prompts(tokenizer, texts, settings.gen_prompts, settings.gen_prompt_tokens)
             describe = (f"{data}: {len(prompts)} prompts x {settings.gen_prompt_tokens} tokens, "

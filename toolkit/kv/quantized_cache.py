@@ -224,8 +224,20 @@ class QuantizedKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.crop(0)
 
+    _BATCHED = ("k_scale", "k_min", "v_scale", "v_min", "k_res", "v_res", "k_shadow", "v_shadow", "k_float",
+                "v_float")
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported by the quantized KV cache")
+        """Rows of the batch picked (and repeated) by `beam_idx`, in every per-row buffer: codes, scales, minima,
+        residual, shadow and float copy (beam search's reorder; evaluation's one context, several endings)."""
+        if not self.is_initialized:
+            return
+        idx = beam_idx.to(self.device)
+        self.k_codes = [c.index_select(0, idx) for c in self.k_codes]
+        self.v_codes = [c.index_select(0, idx) for c in self.v_codes]
+        for name in self._BATCHED:
+            if hasattr(self, name):
+                setattr(self, name, getattr(self, name).index_select(0, idx))
 
     # ---- bytes --------------------------------------------------------------------------------------------
     @property

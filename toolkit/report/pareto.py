@@ -1,8 +1,13 @@
 """Quality vs latency: each configuration with both an eval and a bench result is a point (decode tokens/s,
 perplexity increase over its reference); the Pareto front (no other point is both faster and better) is drawn as
-a line and its points are filled. Rendered with matplotlib's Agg backend (no display needed)."""
+a line. A sweep has dozens of points, so a label on each would be unreadable: colour says the weights, marker
+shape the speculation, fill the KV cache (filled fp, half int8, hollow int4/int2); only the front's points and the
+peers (transformers, black stars) carry a text label. Rendered with matplotlib's Agg backend (no display)."""
 
 from pathlib import Path
+
+MARKERS = {"none": "o", "lookup": "^", "self": "s", "draft": "D"}
+FILLS = {"fp": "full", "int8": "bottom"}  # any other KV kind: hollow
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -20,36 +25,62 @@ def plottable(rows) -> list:
     return [r for r in rows if r.ppl_increase is not None and r.tokens_per_s]
 
 
+def _weights_label(row) -> str:
+    return row.label.split(",")[0]
+
+
 def plot_pareto(rows, path: str | Path, title: str = "Quality vs decode speed") -> Path | None:
     """Write the PNG; None when no configuration has both figures."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     rows = plottable(rows)
     if not rows:
         return None
     points = [(r.tokens_per_s, 100 * r.ppl_increase) for r in rows]
-    front = pareto_front(points)
-    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
-    others = [i for i in range(len(rows)) if i not in front]
-    ax.scatter([points[i][0] for i in others], [points[i][1] for i in others], s=60, facecolors="none",
-               edgecolors="tab:gray", label="dominated")
-    ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "-o", color="tab:red", markersize=8,
-            label="Pareto front")
-    middle = (min(p[0] for p in points) + max(p[0] for p in points)) / 2
+    ours = [i for i, r in enumerate(rows) if not r.peer]
+    front = [ours[i] for i in pareto_front([points[i] for i in ours])]
+    weights = list(dict.fromkeys(_weights_label(rows[i]) for i in ours))
+    colours = {w: plt.get_cmap("tab10")(n % 10) for n, w in enumerate(weights)}
+    fig, ax = plt.subplots(figsize=(12, 7.5), dpi=120)
+    ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "-", color="tab:red", linewidth=1.5,
+            zorder=1, label="Pareto front (ours)")
+    for i in ours:
+        row = rows[i]
+        ax.plot(*points[i], marker=MARKERS.get(row.spec, "P"), markersize=9, linestyle="none",
+                color=colours[_weights_label(row)], fillstyle=FILLS.get(row.kv, "none"), markeredgewidth=1.5,
+                zorder=2)
     for i, row in enumerate(rows):
+        if row.peer:
+            ax.plot(*points[i], marker="*", markersize=14, color="black", linestyle="none", zorder=3)
+    middle = (min(p[0] for p in points) + max(p[0] for p in points)) / 2
+    for n, i in enumerate(front + [i for i, r in enumerate(rows) if r.peer]):
         right_half = points[i][0] > middle  # labels of the right half point left, so none runs off the plot
-        ax.annotate(row.label, points[i], textcoords="offset points", xytext=(-6 if right_half else 6, 6),
-                    ha="right" if right_half else "left", fontsize=8)
-    ax.margins(x=0.08, y=0.08)
+        ax.annotate(rows[i].label, points[i], textcoords="offset points",
+                    xytext=(-8 if right_half else 8, 8 + 10 * (n % 2)), ha="right" if right_half else "left",
+                    fontsize=8, bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.8,
+                                      "edgecolor": "none"})
+    handles = [Line2D([], [], color=colours[w], marker="o", linestyle="none", markersize=8, label=w)
+               for w in weights]
+    handles += [Line2D([], [], color="gray", marker=m, linestyle="none", markersize=8, fillstyle="none",
+                       label=f"spec {s}") for s, m in MARKERS.items() if any(r.spec == s for r in rows)]
+    kvs = list(dict.fromkeys(r.kv for r in rows if not r.peer))
+    handles += [Line2D([], [], color="gray", marker="o", linestyle="none", markersize=8,
+                       fillstyle=FILLS.get(k, "none"), label=f"kv {k}") for k in kvs]
+    if any(r.peer for r in rows):
+        handles.append(Line2D([], [], color="black", marker="*", linestyle="none", markersize=12,
+                              label="peer (transformers, fp32)"))
+    handles.append(Line2D([], [], color="tab:red", label="Pareto front (ours)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.margins(x=0.1, y=0.1)
     ax.axhline(0, color="black", linewidth=0.6)
     ax.set_xlabel("decode tokens/s (higher is better)")
     ax.set_ylabel("perplexity increase over the reference, % (lower is better)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="best")
     fig.tight_layout()
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)

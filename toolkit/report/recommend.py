@@ -6,7 +6,7 @@ from toolkit.errors import DataError
 
 def recommend(rows, max_ppl_increase: float) -> tuple[object, list[str]]:
     """(the chosen row, lines explaining the choice). Raises DataError when nothing qualifies."""
-    measured = [r for r in rows if r.ppl_increase is not None and r.tokens_per_s]
+    measured = [r for r in rows if r.ppl_increase is not None and r.tokens_per_s and not r.peer]
     if not measured:
         raise DataError("no configuration in the store has both quality (eval) and speed (bench) results",
                         "run `specquant eval` and `specquant bench` on the same model/kv/spec, or eval/sweep.sh")

@@ -32,6 +32,7 @@ class Row:
     speed: dict = field(default_factory=dict)  # the bench result's figures
     quality_protocol: str = ""
     speed_protocol: str = ""
+    peer: bool = False  # another tool's figures (transformers), shown beside ours, never recommended
 
     def get(self, key: str):
         return self.quality.get(key, self.speed.get(key))
@@ -58,6 +59,10 @@ def speed_protocol(result: dict) -> str:
     text = (f"{result.get('prompts', '?')} prompts, {result.get('prompt_tokens', '?')} prompt + "
             f"{result.get('new_tokens', '?')} new tokens, {result.get('runs', '?')} runs, {threads} threads, "
             f"{result.get('dtype', '?')}")
+    if result.get("spec"):
+        text += (f", spec {result['spec']} (draft {result.get('draft', '?')}, k {result.get('k', '?')}"
+                 f"{', adaptive' if result.get('adaptive') else ''}), interleaved with the same engine without "
+                 f"speculation")
     machine = result.get("machine") or {}
     if machine.get("cpu"):
         text += f", {machine['cpu']}"
@@ -88,10 +93,102 @@ def build_rows(results: list[dict], data: str | None = None) -> list[Row]:
         else:
             row.speed, row.speed_protocol = result, speed_protocol(result)
     for (model, kv, spec), row in rows.items():
+        if kv != "fp" and spec == "none" and row.quality:
+            _borrow_items_from_fp_cache(row, rows.get((model, "fp", "none")))
+    for (model, kv, spec), row in rows.items():
         plain = rows.get((model, kv, "none"))
         if spec != "none" and not row.quality and plain is not None and plain.quality:
             # speculative decoding verifies every token against the target (greedy: exactly its tokens), so its
             # quality is the target's: borrowed from the same model and cache without speculation, and said so
             row.quality = plain.quality
-            row.quality_protocol = plain.quality_protocol + "; speculation is lossless: quality of the target"
-    return list(rows.values())
+            row.quality_protocol = plain.quality_protocol  # the same protocol mark; the legend says why
+    return list(rows.values()) + peer_rows(results, rows)
+
+
+def peer_rows(results: list[dict], rows: dict) -> list[Row]:
+    """Rows for the tools a user would otherwise reach for, measured in our bench runs beside our engine on the
+    float model in fp32: transformers `generate()` (the baseline of a no-spec bench of the float model) and its
+    assisted generation with prompt lookup (the peer of a spec=lookup bench). Their quality is the reference's:
+    they run the very model the evals compare against."""
+    latest = {}
+    for result in results:
+        if result.get("kind") != "bench" or (result.get("config") or {}).get("bench"):
+            continue
+        model, kv, spec = config_key(result)
+        if "/" in model:  # a checkpoint: its baseline is the same float model; the float model's own runs decide
+            continue
+        if spec == "none" and "baseline" in result:
+            latest["generate"] = (model, result)
+        if "peer_assisted" in result:
+            latest["assisted"] = (model, result)
+    quality_row = next((r for (m, kv, spec), r in rows.items() if kv == "fp" and spec == "none" and r.quality
+                        and "/" not in m), None)
+    out = []
+    for name, (model, result) in sorted(latest.items(), key=lambda item: item[0] != "generate"):
+        peer = result["baseline"] if name == "generate" else result["peer_assisted"]
+        if name == "generate":
+            label = f"peer: transformers generate(), {model} {peer.get('dtype', 'fp32')}"
+            speed = {k: peer[k] for k in ("decode_tokens_per_s", "ttft_ms", "itl_ms") if k in peer}
+        else:
+            label = (f"peer: transformers assisted generation (prompt lookup, k={peer['k']}), {model} "
+                     f"{peer['dtype']}")
+            speed = {**{k: peer["assisted"][k] for k in ("decode_tokens_per_s", "ttft_ms")},
+                     "itl_ms": {"mean": 1000 / peer["assisted"]["decode_tokens_per_s"]},
+                     "speedup_vs_nospec": peer["speedup_vs_generate"], "identical_outputs": peer["identical_outputs"]}
+        protocol = (f"{result.get('prompts', '?')} prompts, {result.get('prompt_tokens', '?')} prompt + "
+                    f"{result.get('new_tokens', '?')} new tokens, {peer.get('runs', result.get('runs', '?'))} runs, "
+                    f"{result.get('threads', '?')} threads, transformers on {model} {peer.get('dtype', 'fp32')} "
+                    f"with its own cache, interleaved with our engine's run")
+        if name == "assisted":
+            protocol += ("; x no-spec: over transformers' own generate() interleaved with it; TTFT: its first "
+                         "streamed chunk")
+        row = Row(model, "transformers", name, label=label, speed=speed, peer=True, speed_protocol=protocol)
+        if quality_row is not None:
+            q = quality_row.quality
+            row.quality = {"ppl": q.get("ref_ppl"), "ref_ppl": q.get("ref_ppl"), "kl": 0.0, "top1_agreement": 1.0,
+                           **{k: q[f"ref_{k}"] for k in ("cloze_accuracy", "mc_accuracy") if f"ref_{k}" in q},
+                           **{f"ref_{k}": q[f"ref_{k}"] for k in ("cloze_accuracy", "mc_accuracy") if f"ref_{k}" in q}}
+            row.quality = {k: v for k, v in row.quality.items() if v is not None}
+            row.quality_protocol = quality_row.quality_protocol + "; this row is the reference model itself"
+        out.append(row)
+    return out
+
+
+BORROWABLE = {"cloze": ("cloze_accuracy", "ref_cloze_accuracy"),
+              "mc": ("mc_accuracy", "ref_mc_accuracy", "mc_accuracy_norm", "ref_mc_accuracy_norm"),
+              "gen": ("gen_prefix_match", "gen_token_agreement")}
+
+
+def _tokens_held(task: str, protocol: dict) -> int | None:
+    """The most tokens the cache holds when a task's scored tokens read it: a cloze/mc passage (its continuation
+    is fed in one step, reading only the passage), a gen prompt plus its new tokens."""
+    if task in ("cloze", "mc"):
+        return protocol.get("max_context")
+    if task == "gen" and "prompt_tokens" in protocol:
+        return protocol["prompt_tokens"] + protocol.get("new_tokens", 0)
+    return None
+
+
+def _borrow_items_from_fp_cache(row: Row, fp_row: Row | None) -> None:
+    """Cloze / mc / gen figures for a quantized-KV row that was not scored on them, from the same weights with
+    the fp cache, only where they are provably the same: every token the task's scores read back sits in the
+    cache's full-precision residual window (KIVI's most recent tokens, never quantized), so the scores are what
+    an fp cache gives."""
+    if fp_row is None:
+        return
+    residual = ((row.quality.get("config") or {}).get("kv") or {}).get("residual")
+    if residual is None:
+        return
+    borrowed, notes = {}, []
+    for task, keys in BORROWABLE.items():
+        protocol = (fp_row.quality.get("protocol") or {}).get(task) or {}
+        held = _tokens_held(task, protocol)
+        if keys[0] in row.quality or keys[0] not in fp_row.quality or held is None or held > residual:
+            continue
+        borrowed.update({k: fp_row.quality[k] for k in keys if k in fp_row.quality})
+        notes.append(f"{task} ({held} tokens)")
+    if borrowed:
+        row.quality = {**row.quality, **borrowed}
+        row.quality_protocol += (f"; {', '.join(notes)} from the kv=fp row: that many tokens stay in the quantized "
+                                 f"cache's full-precision residual window (kv.residual={residual}), so the cache "
+                                 f"does not change them")

@@ -14,6 +14,7 @@ the decoder layers themselves when they are neither quantized nor cut). The draf
 
 import copy
 
+import torch
 from torch import nn
 
 from toolkit.errors import InputError
@@ -37,13 +38,37 @@ def _quantize_layers(layers: list[nn.Module], bits: int, group_size: int) -> lis
     from toolkit.quant.qlinear import QuantLinear
 
     holder = nn.ModuleList([copy.deepcopy(layer) for layer in layers])
+    # a quantized target (a checkpoint): wider codes than the draft's go back to float and are re-quantized; codes
+    # at or below the draft's width are already what the draft would run, so they stay (the target's own)
+    kept = 0
+    for parent in list(holder.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantLinear):
+                if child.bits > bits:
+                    setattr(parent, name, _float_linear(child))
+                else:
+                    kept += 1
     recipe = QuantRecipe(method="rtn", bits=bits, group_size=group_size, skip=())
     qsd = quantize_model(holder, recipe, progress=False)
-    if not len(qsd):
+    if not len(qsd) and not kept:
         raise InputError(f"no decoder Linear layer could be quantized to int{bits} with group size {group_size}",
                          "pick a spec.group_size that divides the model's hidden size (e.g. 32 or 64)")
+    if not len(qsd):
+        return list(holder)
     swap_quantized_modules(holder, qsd, QuantLinear.from_quantized)
     return list(holder)
+
+
+def _float_linear(q) -> nn.Linear:
+    """A float Linear holding a QuantLinear's dequantized weight ((q - zero) * scale, fp32) and its bias."""
+    weight = torch.cat([q._weight_block(n0, n1, torch.float32, fresh=True) for n0, n1 in q._blocks()])
+    bias = getattr(q, "bias", None)
+    linear = nn.Linear(q.in_features, q.out_features, bias=bias is not None, device=weight.device)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias.float())
+    return linear
 
 
 def build_self_draft(target, layers: int | None = None, bits: int | None = 4, group_size: int = 64):
