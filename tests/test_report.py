@@ -14,7 +14,7 @@ from toolkit.errors import DataError
 from toolkit.report.markdown import render_markdown
 from toolkit.report.pareto import pareto_front
 from toolkit.report.recommend import recommend
-from toolkit.report.rows import build_rows
+from toolkit.report.rows import build_rows, peer_notes
 from toolkit.report.store import read_store
 from toolkit.results import append_to_store
 
@@ -226,3 +226,8 @@ def test_spec_and_peer_rows_show_speedups_acceptance_and_the_reference_quality()
     assert "| 1.60 (outputs differ) [s" in next(li for li in text.splitlines() if "kv int8, spec lookup" in li)
     assert "peer: transformers assisted generation (prompt lookup, k=8)" in text
     assert recommend(rows, 0.1)[0].peer is False  # peers are shown, never recommended
+    notes = peer_notes(rows)
+    assert len(notes) == 1 and notes[0].startswith("llama.cpp")  # both transformers peers are there
+    # without the spec=lookup bench there is no assisted-generation row, and the note says so
+    assert [n.split(":")[0] for n in peer_notes(build_rows(results[:2]))] == ["transformers assisted generation",
+                                                                              "llama.cpp"]

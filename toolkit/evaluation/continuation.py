@@ -4,8 +4,8 @@ Each context is fed once, however many continuations it has (multiple choice has
 left-padded and prefilled into a KV cache (`make_kv_cache`, so a quantized kind is measured as decoding reads it),
 the cache's rows are repeated once per continuation (`reorder_cache`), and the continuations are fed right-padded
 behind them, their positions continuing from each context's length. The context's last logits predict each
-continuation's first token; the continuation's own logits predict the rest. For four 10-word endings behind a
-128-token passage that is ~128 + 4x27 tokens per item instead of 4x155."""
+continuation's first token; the continuation's own logits predict the rest. On pydoc's multiple-choice items
+(~90-token passages, four ~16-token endings) that is ~156 tokens per item instead of ~427."""
 
 import torch
 

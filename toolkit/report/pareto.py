@@ -57,12 +57,14 @@ def plot_pareto(rows, path: str | Path, title: str = "Quality vs decode speed") 
         if row.peer:
             ax.plot(*points[i], marker="*", markersize=14, color="black", linestyle="none", zorder=3)
     middle = (min(p[0] for p in points) + max(p[0] for p in points)) / 2
-    for n, i in enumerate(front + [i for i, r in enumerate(rows) if r.peer]):
+    peers = [i for i, r in enumerate(rows) if r.peer]
+    # the front's labels above their points, the peers' below theirs (both sit near zero loss), staggered
+    placed = [(i, 10 + 12 * (n % 2)) for n, i in enumerate(front)] + [(i, -16 - 12 * n) for n, i in enumerate(peers)]
+    for i, dy in placed:
         right_half = points[i][0] > middle  # labels of the right half point left, so none runs off the plot
-        ax.annotate(rows[i].label, points[i], textcoords="offset points",
-                    xytext=(-8 if right_half else 8, 8 + 10 * (n % 2)), ha="right" if right_half else "left",
-                    fontsize=8, bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.8,
-                                      "edgecolor": "none"})
+        ax.annotate(rows[i].label, points[i], textcoords="offset points", xytext=(-8 if right_half else 8, dy),
+                    ha="right" if right_half else "left", va="center", fontsize=8,
+                    bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
     handles = [Line2D([], [], color=colours[w], marker="o", linestyle="none", markersize=8, label=w)
                for w in weights]
     handles += [Line2D([], [], color="gray", marker=m, linestyle="none", markersize=8, fillstyle="none",

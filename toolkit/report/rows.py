@@ -4,6 +4,7 @@ A configuration's quality comes from its latest eval result on the chosen datase
 bench result; each keeps the protocol it was measured under, so a row never mixes numbers without saying how each
 was obtained."""
 
+import importlib.util
 from dataclasses import dataclass, field
 
 
@@ -192,3 +193,20 @@ def _borrow_items_from_fp_cache(row: Row, fp_row: Row | None) -> None:
         row.quality_protocol += (f"; {', '.join(notes)} from the kv=fp row: that many tokens stay in the quantized "
                                  f"cache's full-precision residual window (kv.residual={residual}), so the cache "
                                  f"does not change them")
+
+
+def peer_notes(rows: list[Row]) -> list[str]:
+    """A visible line for each peer the table lacks, and why."""
+    have = {r.spec for r in rows if r.peer}
+    notes = []
+    if "generate" not in have:
+        notes.append("transformers generate(): no no-spec bench of a float model with baseline=hf in the store")
+    if "assisted" not in have:
+        notes.append("transformers assisted generation: no spec=lookup kv=fp bench of a float model with "
+                     "baseline=hf in the store")
+    if importlib.util.find_spec("llama_cpp") is None:
+        notes.append("llama.cpp: llama-cpp-python is not installed here (it needs a source build), so there is no "
+                     "llama.cpp row")
+    else:
+        notes.append("llama.cpp: llama-cpp-python is installed, but specquant has no llama.cpp bench yet")
+    return notes
