@@ -21,7 +21,8 @@
 #   figures from the kv=fp row and says so (toolkit/report/rows.py checks the residual against the passage).
 # - latency: 2 open prompts of 128 tokens, 64 new tokens, 1 repeat after 1 warm-up; no-spec rows interleave
 #   transformers generate() (fp32), spec rows the same engine without speculation, and the float model's
-#   spec=lookup kv=fp run also transformers' assisted generation with prompt lookup (the peer rows).
+#   spec=lookup kv=fp run also transformers' assisted generation with prompt lookup (the peer rows; checkpoints
+#   do not repeat it). The report notes each peer it lacks (llama.cpp: llama-cpp-python is not installed here).
 #
 # Every result line holds its resolved config, protocol, machine facts and git revision; the store is appended to,
 # so delete it first for a clean rebuild (the script does unless KEEP_STORE=1). Checkpoints already under

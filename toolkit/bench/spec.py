@@ -11,14 +11,16 @@ includes the draft's own prefill, which is part of its cost). `identical_outputs
 
 import statistics
 import time
+from collections import Counter
 
 import torch
-from collections import Counter
 
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
 from toolkit.errors import InputError
 from toolkit.kv import kv_kind
+from toolkit.quant.checkpoint import is_quantized_checkpoint
+from toolkit.quant.formats import is_foreign_quantized
 from toolkit.spec.decode import DraftLength, speculative_generate
 
 
@@ -111,8 +113,9 @@ def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_token
                n_prompts: int, repeats: int, warmup: int, config: dict, kv=None, baseline: str = "none",
                baseline_dtype: str = "fp32") -> dict:
     """Load the target, build the draft `spec_cfg` names, time both paths; returns the result record.
-    baseline=hf with spec=lookup and the fp cache also times the peer, transformers' assisted generation with
-    prompt lookup on the float model (toolkit.bench.peers), once per model rather than once per KV kind."""
+    baseline=hf with spec=lookup and the fp cache on a float model also times the peer, transformers' assisted
+    generation with prompt lookup on that model in fp32 (toolkit.bench.peers): once per float model, not again for
+    each KV kind or for each checkpoint quantized from it."""
     from toolkit.data import build_prompts
     from toolkit.engine.setup import load_engine_model
     from toolkit.machine import machine_facts
@@ -129,16 +132,15 @@ def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_token
                              kv=kv)
     figures = {"model": loaded.name, "prompts": prompts, "threads": torch.get_num_threads(), "spec": spec_cfg.kind,
                "draft": describe_draft(draft), "k": length.k, "adaptive": length.adaptive, **figures}
-    if baseline == "hf" and spec_cfg.kind == "lookup" and kv_kind(kv) == "fp":
-        from toolkit.bench.baseline import float_source
+    float_model = not (is_quantized_checkpoint(model_name) or is_foreign_quantized(model_name))
+    if baseline == "hf" and float_model and spec_cfg.kind == "lookup" and kv_kind(kv) == "fp":
         from toolkit.bench.peers import assisted_lookup_peer
         from toolkit.engine.precision import prepare_model, resolve_precision
         from toolkit.models import load_model
 
-        source = float_source(model_name)
-        reference = load_model(source).model.eval()
+        reference = load_model(model_name).model.eval()
         prepare_model(reference, resolve_precision(baseline_dtype))
-        figures["peer_assisted"] = {"model": source, "dtype": baseline_dtype,
+        figures["peer_assisted"] = {"model": model_name, "dtype": baseline_dtype,
                                     **assisted_lookup_peer(reference, prompt_ids, new_tokens, length.k, repeats,
                                                            warmup)}
     return make_result("bench", config, figures, machine)

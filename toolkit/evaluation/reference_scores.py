@@ -24,8 +24,8 @@ def weights_fingerprint(model) -> str:
     digest = xxhash.xxh3_128()
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-                      if tensor.numel() else b"")
+        if tensor.numel():  # the bytes as they are (no copy beyond making them contiguous on the CPU)
+            digest.update(memoryview(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy()))
     return digest.hexdigest()
 
 

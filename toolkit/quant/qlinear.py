@@ -301,6 +301,11 @@ class QuantLinear(torch.nn.Module):
                 w.view(n, k // gs, gs).sub_(self.zero[n0:n1].float()[:, :, None]).mul_(self.scale[n0:n1, :, None])
         return w if dtype == torch.float32 else w.to(dtype)
 
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float weight [out, in] the codes stand for, ``(q - zero) * scale`` in fp32, in a fresh tensor (for
+        re-quantizing a checkpoint's layers, e.g. a self-draft at fewer bits; not a runtime path)."""
+        return torch.cat([self._weight_block(n0, n1, torch.float32, fresh=True) for n0, n1 in self._blocks()])
+
     # ----------------------------------------------------------------------------------------- reporting
 
     @property

@@ -122,10 +122,9 @@ def peer_rows(results: list[dict], rows: dict) -> list[Row]:
             latest["generate"] = (model, result)
         if "peer_assisted" in result:
             latest["assisted"] = (model, result)
-    quality_row = next((r for (m, kv, spec), r in rows.items() if kv == "fp" and spec == "none" and r.quality
-                        and "/" not in m), None)
     out = []
     for name, (model, result) in sorted(latest.items(), key=lambda item: item[0] != "generate"):
+        quality_row = rows.get((model, "fp", "none"))
         peer = result["baseline"] if name == "generate" else result["peer_assisted"]
         if name == "generate":
             label = f"peer: transformers generate(), {model} {peer.get('dtype', 'fp32')}"
@@ -144,7 +143,7 @@ def peer_rows(results: list[dict], rows: dict) -> list[Row]:
             protocol += ("; x no-spec: over transformers' own generate() interleaved with it; TTFT: its first "
                          "streamed chunk")
         row = Row(model, "transformers", name, label=label, speed=speed, peer=True, speed_protocol=protocol)
-        if quality_row is not None:
+        if quality_row is not None and quality_row.quality:
             q = quality_row.quality
             row.quality = {"ppl": q.get("ref_ppl"), "ref_ppl": q.get("ref_ppl"), "kl": 0.0, "top1_agreement": 1.0,
                            **{k: q[f"ref_{k}"] for k in ("cloze_accuracy", "mc_accuracy") if f"ref_{k}" in q},

@@ -2,7 +2,9 @@
 
 Two independent cuts, combinable:
 - `bits` (4 or 8): the decoder layers' Linear weights quantized with RTN on the fly (QuantSpec's idea: the same
-  model at low precision agrees with itself most of the time) and run by toolkit.quant's low-bit kernels.
+  model at low precision agrees with itself most of the time) and run by toolkit.quant's low-bit kernels. A
+  quantized target's layers with wider codes are dequantized and re-quantized; those already at `bits` or fewer
+  are used as they are (then only the KV cache and `layers` can make the draft cheaper).
 - `layers`: run only the first N decoder layers, then the target's final norm and head (an early exit, as in
   LayerSkip / Draft & Verify). On a 135M model a decode step is dominated by per-layer overhead, not bytes, so
   fewer layers is the cut that makes the draft cheaper; acceptance decides whether it pays.
@@ -61,7 +63,7 @@ def _quantize_layers(layers: list[nn.Module], bits: int, group_size: int) -> lis
 
 def _float_linear(q) -> nn.Linear:
     """A float Linear holding a QuantLinear's dequantized weight ((q - zero) * scale, fp32) and its bias."""
-    weight = torch.cat([q._weight_block(n0, n1, torch.float32, fresh=True) for n0, n1 in q._blocks()])
+    weight = q.dequantized_weight()
     bias = getattr(q, "bias", None)
     linear = nn.Linear(q.in_features, q.out_features, bias=bias is not None, device=weight.device)
     with torch.no_grad():
