@@ -39,3 +39,15 @@ def test_generate_spec_lookup_prints_the_same_text_as_without(tiny_llama_dir, tm
 def test_a_missing_draft_model_is_one_clear_error(tiny_llama_dir):
     run = specquant("generate", f"model={tiny_llama_dir}", "spec=draft", "new_tokens=2", "engine=fp32")
     assert run.returncode != 0 and "spec.model" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_interleaved_warms_each_path_then_alternates_which_goes_first():
+    from toolkit.bench.interleave import interleaved
+
+    calls = []
+    paths = {"a": lambda ids: calls.append(("warm a", ids)), "b": lambda ids: calls.append(("warm b", ids))}
+    order = list(interleaved(paths, ["p0", "p1"], repeats=2, warmup=1))
+    assert calls == [("warm a", "p0"), ("warm b", "p0")]
+    assert [(rep, name, ids) for rep, name, ids in order] == [
+        (0, "a", "p0"), (0, "b", "p0"), (0, "b", "p1"), (0, "a", "p1"),
+        (1, "b", "p0"), (1, "a", "p0"), (1, "a", "p1"), (1, "b", "p1")]

@@ -41,13 +41,12 @@ def float_source(model_name: str) -> str:
     or GPTQ/AWQ format) the float model it was quantized from."""
     from toolkit.errors import InputError
     from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
-    from toolkit.quant.formats import export_source, is_foreign_quantized
+    from toolkit.quant.formats import export_source, is_quantized_model
 
-    if is_quantized_checkpoint(model_name):
-        return read_manifest(model_name)["source"]
-    if is_foreign_quantized(model_name):
-        if source := export_source(model_name):
-            return source
+    if not is_quantized_model(model_name):
+        return model_name
+    source = read_manifest(model_name)["source"] if is_quantized_checkpoint(model_name) else export_source(model_name)
+    if not source:
         raise InputError(f"{model_name} does not record the float model it was quantized from",
                          "pass baseline=none, or bench the float model separately")
-    return model_name
+    return source

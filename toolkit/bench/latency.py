@@ -10,6 +10,7 @@ import statistics
 import torch
 
 from toolkit.bench.baseline import hf_generate_timed
+from toolkit.bench.interleave import interleaved
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
 from toolkit.engine.timing import GenerationTiming, RssSampler, percentiles
@@ -72,22 +73,16 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
     if reference_model is not None:
         paths["baseline"] = lambda ids: hf_generate_timed(reference_model, ids, new_tokens)
 
-    for run in paths.values():
-        for ids in prompts[:1] * warmup:
-            run(ids)
     timings = {name: [] for name in paths}
     outputs = {name: [] for name in paths}
     peaks = dict.fromkeys(paths, 0.0)
-    for rep in range(repeats):
-        for i, ids in enumerate(prompts):
-            order = list(paths) if (rep + i) % 2 == 0 else list(reversed(paths))
-            for name in order:
-                with RssSampler() as rss:
-                    tokens, timing = paths[name](ids)
-                peaks[name] = max(peaks[name], rss.peak_mb)
-                timings[name].append(timing)
-                if rep == 0:
-                    outputs[name].append(tokens)
+    for rep, name, ids in interleaved(paths, prompts, repeats, warmup):
+        with RssSampler() as rss:
+            tokens, timing = paths[name](ids)
+        peaks[name] = max(peaks[name], rss.peak_mb)
+        timings[name].append(timing)
+        if rep == 0:
+            outputs[name].append(tokens)
 
     mean_context = statistics.mean(len(ids) for ids in prompts) + new_tokens / 2
     result = _path_summary(engine_model, timings["engine"], peaks["engine"], mean_context, bandwidth)

@@ -10,6 +10,7 @@ import statistics
 import time
 
 from toolkit.bench.baseline import hf_generate_timed
+from toolkit.bench.interleave import interleaved
 
 
 def _timed(model, ids, new_tokens, **kwargs):
@@ -26,18 +27,14 @@ def _summary(totals: list[float], ttfts: list[float], new_tokens: int) -> dict:
 
 def assisted_lookup_peer(model, prompts: list[list[int]], new_tokens: int, k: int, repeats: int, warmup: int) -> dict:
     """{"generate": {...}, "assisted": {...}, "speedup_vs_generate", "identical_outputs", "k"}."""
-    paths = {"generate": {}, "assisted": {"prompt_lookup_num_tokens": k}}
-    for kwargs in paths.values():
-        for ids in prompts[:1] * warmup:
-            _timed(model, ids, new_tokens, **kwargs)
+    paths = {"generate": lambda ids: _timed(model, ids, new_tokens),
+             "assisted": lambda ids: _timed(model, ids, new_tokens, prompt_lookup_num_tokens=k)}
     totals, ttfts, outputs = ({name: [] for name in paths} for _ in range(3))
-    for rep in range(repeats):
-        for i, ids in enumerate(prompts):
-            for name in list(paths) if (rep + i) % 2 == 0 else list(reversed(paths)):
-                tokens, total, ttft = _timed(model, ids, new_tokens, **paths[name])
-                totals[name].append(total)
-                ttfts[name].append(ttft)
-                outputs[name].append(tokens)
+    for _, name, ids in interleaved(paths, prompts, repeats, warmup):
+        tokens, total, ttft = paths[name](ids)
+        totals[name].append(total)
+        ttfts[name].append(ttft)
+        outputs[name].append(tokens)
     return {"k": k, "new_tokens": new_tokens,
             **{name: _summary(totals[name], ttfts[name], new_tokens) for name in paths},
             "speedup_vs_generate": sum(totals["generate"]) / sum(totals["assisted"]),

@@ -15,12 +15,12 @@ from collections import Counter
 
 import torch
 
+from toolkit.bench.interleave import interleaved
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
 from toolkit.errors import InputError
 from toolkit.kv import kv_kind
-from toolkit.quant.checkpoint import is_quantized_checkpoint
-from toolkit.quant.formats import is_foreign_quantized
+from toolkit.quant.formats import is_quantized_model
 from toolkit.spec.decode import DraftLength, speculative_generate
 
 
@@ -45,28 +45,22 @@ def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[l
         raise InputError("bench needs repeats >= 1 and new_tokens >= 2", "raise repeats / new_tokens")
     paths = {"nospec": lambda ids: _nospec(model, tokenizer, ids, new_tokens, kv),
              "spec": lambda ids: _spec(model, tokenizer, ids, new_tokens, kv, draft, length)}
-    for run in paths.values():
-        for ids in prompts[:1] * warmup:
-            run(ids)
     totals = {name: [] for name in paths}
     prefills = {name: [] for name in paths}
     outputs = {name: [] for name in paths}
     pooled = Counter()
     histogram = Counter()
-    for rep in range(repeats):
-        for i, ids in enumerate(prompts):
-            order = list(paths) if (rep + i) % 2 == 0 else list(reversed(paths))
-            for name in order:
-                tokens, total, ttft, stats = paths[name](ids)
-                totals[name].append(total)
-                prefills[name].append(ttft)
-                outputs[name].append(tokens)
-                if stats is not None:
-                    pooled.update({"proposed": stats.proposed, "accepted": stats.accepted, "rounds": stats.rounds,
-                                   "row_rounds": stats.row_rounds})
-                    pooled["draft_s"] += stats.draft_s
-                    pooled["verify_s"] += stats.verify_s
-                    histogram.update(stats.histogram)
+    for _, name, ids in interleaved(paths, prompts, repeats, warmup):
+        tokens, total, ttft, stats = paths[name](ids)
+        totals[name].append(total)
+        prefills[name].append(ttft)
+        outputs[name].append(tokens)
+        if stats is not None:
+            pooled.update({"proposed": stats.proposed, "accepted": stats.accepted, "rounds": stats.rounds,
+                           "row_rounds": stats.row_rounds})
+            pooled["draft_s"] += stats.draft_s
+            pooled["verify_s"] += stats.verify_s
+            histogram.update(stats.histogram)
     generated = sum(len(t) for t in outputs["spec"])
     same = [a == b for a, b in zip(outputs["spec"], outputs["nospec"])]
     nospec_s, spec_s = sum(totals["nospec"]), sum(totals["spec"])
@@ -132,8 +126,7 @@ def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_token
                              kv=kv)
     figures = {"model": loaded.name, "prompts": prompts, "threads": torch.get_num_threads(), "spec": spec_cfg.kind,
                "draft": describe_draft(draft), "k": length.k, "adaptive": length.adaptive, **figures}
-    float_model = not (is_quantized_checkpoint(model_name) or is_foreign_quantized(model_name))
-    if baseline == "hf" and float_model and spec_cfg.kind == "lookup" and kv_kind(kv) == "fp":
+    if baseline == "hf" and not is_quantized_model(model_name) and spec_cfg.kind == "lookup" and kv_kind(kv) == "fp":
         from toolkit.bench.peers import assisted_lookup_peer
         from toolkit.engine.precision import prepare_model, resolve_precision
         from toolkit.models import load_model

@@ -13,8 +13,7 @@ from toolkit.engine.precision import prepare_model, resolve_precision
 from toolkit.engine.setup import configure_threads, load_quantized_model, prepare_engine_model
 from toolkit.errors import InputError
 from toolkit.machine import machine_facts
-from toolkit.quant.checkpoint import is_quantized_checkpoint
-from toolkit.quant.formats import is_foreign_quantized
+from toolkit.quant.formats import is_quantized_model
 from toolkit.results import append_to_store, make_result, write_result
 
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -30,7 +29,7 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
         raise InputError(f"unknown baseline {baseline!r}", "use baseline=hf or baseline=none")
     threads = configure_threads(engine_cfg.threads)
     reference = None
-    if is_quantized_checkpoint(model_name) or is_foreign_quantized(model_name):  # ours, or GPTQ/AWQ format
+    if is_quantized_model(model_name):  # ours, or GPTQ/AWQ format
         # the baseline is transformers on the float model the checkpoint was quantized from
         loaded = load_quantized_model(model_name)
         if baseline == "hf":

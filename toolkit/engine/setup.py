@@ -21,12 +21,10 @@ def load_engine_model(name: str, engine_cfg):
     """Load `name` (registry name, directory, hub id) and prepare it for the engine; returns a LoadedModel whose
     `precision` says what it runs in."""
     from toolkit.models import load_model
-    from toolkit.quant.checkpoint import is_quantized_checkpoint
-    from toolkit.quant.formats import is_foreign_quantized
+    from toolkit.quant.formats import is_quantized_model
 
     configure_threads(engine_cfg.threads)
-    quantized = is_quantized_checkpoint(name) or is_foreign_quantized(name)  # ours, or a GPTQ/AWQ directory
-    loaded = load_quantized_model(name) if quantized else load_model(name, dtype=torch.float32)
+    loaded = load_quantized_model(name) if is_quantized_model(name) else load_model(name, dtype=torch.float32)
     loaded.precision = prepare_engine_model(loaded.model, engine_cfg)
     return loaded
 

@@ -36,12 +36,7 @@ def score_continuations(model, encoded: list[tuple[list[int], list[int]]], pad_i
     # similar lengths share a batch, so little of it is padding
     contexts = sorted(groups, key=lambda c: (len(c), max(len(encoded[i][1]) for i in groups[c])))
     out: list[dict] = [{} for _ in encoded]
-    batch: list[tuple[int, ...]] = []
-    for n, context in enumerate(contexts):
-        batch.append(context)
-        rows = sum(len(groups[c]) for c in batch)
-        if n + 1 < len(contexts) and rows + len(groups[contexts[n + 1]]) <= batch_size:
-            continue
+    for batch in _pack(contexts, {c: len(groups[c]) for c in contexts}, batch_size):
         index = [i for c in batch for i in groups[c]]
         logits = _continuation_logits(model, [list(c) for c in batch], [len(groups[c]) for c in batch],
                                       [encoded[i][1] for i in index], pad_id, kv_cfg)
@@ -52,8 +47,20 @@ def score_continuations(model, encoded: list[tuple[list[int], list[int]]], pad_i
             out[i] = {"logprob": logprob, "greedy": bool((pred.argmax(-1) == target).all())}
         if progress:
             progress(len(index))
-        batch = []
     return out
+
+
+def _pack(contexts: list, rows: dict, limit: int):
+    """Consecutive contexts in batches of at most `limit` rows (a context with more rows than that alone)."""
+    batch, held = [], 0
+    for context in contexts:
+        if batch and held + rows[context] > limit:
+            yield batch
+            batch, held = [], 0
+        batch.append(context)
+        held += rows[context]
+    if batch:
+        yield batch
 
 
 def _continuation_logits(model, contexts: list[list[int]], repeats: list[int], continuations: list[list[int]],

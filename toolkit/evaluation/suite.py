@@ -73,12 +73,12 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
             chosen = spread(items, settings.items)
             scorer = score_cloze if task == "cloze" else score_choice
             describe = (f"{data}: {len(chosen)} of {len(items)} {task} items (content hash {key[:16]}), "
-                        f"passages cut to {settings.max_context} tokens (BOS first)"
-                        + f", each passage prefilled once into the {kind} KV cache, its continuations fed behind it"
-                        + (f" (the passages fit the cache's full-precision residual window of {residual} tokens, "
-                           f"so no quantized key or value is read: these scores are the fp cache's)"
-                           if through_cache and (residual := quant_config(kv_cfg).residual) >= settings.max_context
-                           else ""))
+                        f"passages cut to {settings.max_context} tokens (BOS first), each passage prefilled once "
+                        f"into the {kind} KV cache, its continuations fed behind it")
+            residual = quant_config(kv_cfg).residual if through_cache else 0
+            if residual >= settings.max_context:
+                describe += (f" (the passages fit the cache's full-precision residual window of {residual} tokens, "
+                             f"so no quantized key or value is read: these scores are the fp cache's)")
             log(f"{task}: {describe}")
             rows = len(chosen) * (1 if task == "cloze" else len(chosen[0]["endings"])) * (1 + (reference is not None))
             with tqdm(total=rows, desc=task, unit="row", leave=False, disable=not progress) as bar:

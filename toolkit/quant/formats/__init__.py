@@ -26,7 +26,8 @@ from toolkit.quant.formats.convert import (
            export_checkpoint,
            import_checkpoint,
            is_foreign_quantized,
+           is_quantized_model,
 )
 
 __all__ = ["EXPORT_MANIFEST", "FORMATS", "ExportError", "detect_format", "export_checkpoint", "export_source",
-           "import_checkpoint", "is_foreign_quantized"]
+           "import_checkpoint", "is_foreign_quantized", "is_quantized_model"]

@@ -70,6 +70,13 @@ def is_foreign_quantized(path: str | Path) -> bool:
     return Path(path).expanduser().is_dir() and detect_format(path) is not None
 
 
+def is_quantized_model(path: str | Path) -> bool:
+    """True for a quantized checkpoint the engine loads: ours (`specquant quantize`) or a GPTQ/AWQ directory."""
+    from toolkit.quant.checkpoint import is_quantized_checkpoint
+
+    return is_quantized_checkpoint(path) or is_foreign_quantized(path)
+
+
 def import_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, QuantizedStateDict, Any]:
     """``(model, qsd, tokenizer)`` from a GPTQ or AWQ directory, like `load_quantized` for our own checkpoints:
     the float tensors loaded (in ``dtype``, by default as saved), the quantized layers' weights on the meta device
