@@ -9,13 +9,14 @@ requests served one at a time, in one run.
 
 Protocol: a fixed list of requests (prompts of the --prompts set cut to 128, 256, 384 and 512 tokens in turn, greedy,
 --max-tokens new tokens each, stopping early only at the model's end-of-sequence) is served twice by one server
-process: first one request at a time for --sequential-duration seconds (requests 0, 1, 2, ... of the list), then by
+process (started for the run, in its own process, as in production; the clients are coroutines on one event loop in
+this one, so they neither share the server's GIL nor spend a core of their own): first one request at a time for --sequential-duration seconds (requests 0, 1, 2, ... of the list), then by
 --clients concurrent streaming clients for --duration seconds (the same list from the start, each client taking the
 next request when its last one ends; requests in flight at the deadline are finished and counted). Throughput is
 completion tokens (the server's usage counts) over wall time of each phase; the ratio of the two is what batching
 buys. TTFT (request sent -> first text chunk) and ITL (gaps between text chunks; a chunk is one token unless text was
 held back at a partial character or a possible stop string) are measured by the clients under load. RSS of the server
-process (which also hosts the client threads) is sampled every second over the load phase.
+process is sampled every second over the load phase.
 
 The server's KV block pool holds --kv-tokens (default: max_batch x (512 + max_tokens), every client's worst case)
 or --kv-budget-mb; a smaller pool admits by free blocks and preempts when it runs out (preemptions are reported).
@@ -30,9 +31,10 @@ The model is SmolLM2-135M's INT4 checkpoint when one is in ~/.cache/specquant/ch
 """
 
 import argparse
+import asyncio
 import json
+import multiprocessing
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -60,16 +62,16 @@ def request_list(tokenizer, prompt_set: str, n_per_length: int) -> list[str]:
     return [by_length[j][i].text for i in range(n_per_length) for j in range(len(PROMPT_LENGTHS))]
 
 
-def stream_one(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     sent = time.perf_counter()
     chunk_times, usage, error = [], None, None
     try:
-        with client.stream("POST", url + "/v1/completions", json=body) as response:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                response.read()
+                await response.aread()
                 return {"error": f"HTTP {response.status_code}: {response.text[:200]}"}
-            for line in response.iter_lines():
+            async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
@@ -88,38 +90,44 @@ def stream_one(client: httpx.Client, url: str, model: str, prompt: str, max_toke
             "itl_s": [b - a for a, b in zip(chunk_times, chunk_times[1:])], "end": time.perf_counter()}
 
 
-def run_sequential(url, model, requests, max_tokens, duration) -> dict:
+async def run_sequential(url, model, requests, max_tokens, duration) -> dict:
     results, start = [], time.perf_counter()
-    with httpx.Client(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600) as client:
         for prompt in requests:
             if time.perf_counter() - start >= duration:
                 break
-            results.append(stream_one(client, url, model, prompt, max_tokens))
+            results.append(await stream_one(client, url, model, prompt, max_tokens))
     return summarize(results, time.perf_counter() - start)
 
 
-def run_concurrent(url, model, requests, max_tokens, clients, duration, rss: list) -> dict:
-    results, lock, next_index = [], threading.Lock(), [0]
+async def run_concurrent(url, model, requests, max_tokens, clients, duration, server_pid: int, rss: list) -> dict:
+    """`clients` coroutines on one event loop, each sending the next request of the list when its last one ends,
+    until `duration` has passed; the server's RSS is sampled every second meanwhile."""
+    results, next_index = [], [0]
     start = time.perf_counter()
     deadline = start + duration
 
-    def client_loop():
-        with httpx.Client(timeout=600) as client:
-            while time.perf_counter() < deadline:
-                with lock:
-                    prompt = requests[next_index[0] % len(requests)]
-                    next_index[0] += 1
-                result = stream_one(client, url, model, prompt, max_tokens)
-                with lock:
-                    results.append(result)
+    async def client_loop(client):
+        while time.perf_counter() < deadline:
+            prompt = requests[next_index[0] % len(requests)]
+            next_index[0] += 1
+            results.append(await stream_one(client, url, model, prompt, max_tokens))
 
-    process = psutil.Process()
-    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        rss.append((time.perf_counter() - start, process.memory_info().rss / 2**20))
-        time.sleep(1.0)
+    async def sample_rss(done: asyncio.Event):
+        process = psutil.Process(server_pid)
+        while not done.is_set():
+            rss.append((time.perf_counter() - start, process.memory_info().rss / 2**20))
+            try:
+                await asyncio.wait_for(done.wait(), 1.0)
+            except TimeoutError:
+                pass
+
+    done = asyncio.Event()
+    sampler = asyncio.create_task(sample_rss(done))
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+    done.set()
+    await sampler
     return summarize(results, time.perf_counter() - start)
 
 
@@ -149,12 +157,44 @@ def rss_summary(samples: list[tuple[float, float]]) -> dict:
             "second_half_slope_mb_per_min": slope * 60}
 
 
-def main() -> None:
+def serve_in_child(conn, args: argparse.Namespace) -> None:
+    """The server process: load the model, start the server on loopback, send (url, model, request list), then
+    answer "stats" with the scheduler's counters until "stop"."""
     from omegaconf import OmegaConf
 
     from toolkit.engine.setup import load_engine_model
     from toolkit.serve.server import BackgroundServer, ServeSettings, build_state
 
+    engine = OmegaConf.create({"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": args.threads,
+                               "compile": False})
+    loaded = load_engine_model(args.model or default_model(), engine)
+    requests = request_list(loaded.tokenizer, args.prompts, 8)
+    max_batch = args.max_batch or args.clients
+    settings = ServeSettings(model_id="bench", max_batch=max_batch, max_queue=4 * args.clients,
+                             max_kv_tokens=args.kv_tokens or max_batch * (max(PROMPT_LENGTHS) + args.max_tokens),
+                             max_seq_len=max(PROMPT_LENGTHS) + args.max_tokens + 16, max_tokens=args.max_tokens,
+                             kv_budget_mb=args.kv_budget_mb, block_size=args.block_size,
+                             prefix_cache=not args.no_prefix_cache, kv=args.kv,
+                             spec=OmegaConf.merge({"kind": args.spec, "k": args.spec_k},
+                                                  OmegaConf.from_dotlist(args.spec_set)),
+                             spec_max_batch=args.spec_max_batch)
+    with BackgroundServer(build_state(loaded, settings)) as server:
+        conn.send({"url": server.url, "model": loaded.name, "dtype": loaded.precision.name, "requests": requests,
+                   "max_batch": max_batch})
+        scheduler = server.state.scheduler
+        while conn.recv() == "stats":
+            pool = scheduler.cache.pool
+            conn.send({"peak_batch": scheduler.peak_batch,
+                       "kv": {"blocks": pool.num_blocks, "block_size": pool.block_size,
+                              "pool_mb": scheduler.cache.storage.nbytes / 2**20,
+                              "peak_blocks_used": scheduler.peak_blocks_used, "preemptions": scheduler.preemptions,
+                              "prefix_cache": not args.no_prefix_cache, "prefix_hit_rate": pool.stats.hit_rate,
+                              "evictions": pool.stats.evictions, "kind": args.kv},
+                       "spec": {"rounds": scheduler.spec_rounds, "proposed": scheduler.spec_proposed,
+                                "accepted": scheduler.spec_accepted}})
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="registry name, directory or checkpoint (default: see above)")
     parser.add_argument("--clients", type=int, default=16)
@@ -179,47 +219,51 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the result JSON here")
     args = parser.parse_args()
 
-    model_name = args.model or default_model()
-    engine = OmegaConf.create({"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": args.threads,
-                               "compile": False})
-    loaded = load_engine_model(model_name, engine)
-    requests = request_list(loaded.tokenizer, args.prompts, 8)
-    max_batch = args.max_batch or args.clients
-    settings = ServeSettings(model_id="bench", max_batch=max_batch, max_queue=4 * args.clients,
-                             max_kv_tokens=args.kv_tokens or max_batch * (max(PROMPT_LENGTHS) + args.max_tokens),
-                             max_seq_len=max(PROMPT_LENGTHS) + args.max_tokens + 16, max_tokens=args.max_tokens,
-                             kv_budget_mb=args.kv_budget_mb, block_size=args.block_size,
-                             prefix_cache=not args.no_prefix_cache, kv=args.kv,
-                             spec=OmegaConf.merge({"kind": args.spec, "k": args.spec_k},
-                                                  OmegaConf.from_dotlist(args.spec_set)),
-                             spec_max_batch=args.spec_max_batch)
-    print(f"{loaded.name} ({loaded.precision.name}); {len(requests)} distinct requests of "
+    # The server runs in its own process, as it would in production: clients in the same interpreter would hold its
+    # GIL (16 client threads there made a 16-row decode step 234 ms instead of ~150 ms).
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    server = context.Process(target=serve_in_child, args=(child_conn, args), name="specquant-bench-server")
+    server.start()
+    try:
+        if not conn.poll(600):
+            raise RuntimeError("the server process did not start within 600 s")
+        info = conn.recv()
+        result = asyncio.run(measure(args, info, server.pid))
+        conn.send("stats")
+        stats = conn.recv()
+    finally:
+        if server.is_alive():
+            conn.send("stop")
+        server.join(timeout=60)
+    report(args, info, result, stats)
+
+
+async def measure(args, info: dict, server_pid: int) -> dict:
+    url, requests = info["url"], info["requests"]
+    print(f"{info['model']} ({info['dtype']}); {len(requests)} distinct requests of "
           f"{'/'.join(map(str, PROMPT_LENGTHS))}-token prompts, {args.max_tokens} new tokens, greedy, kv={args.kv}, "
           f"spec={args.spec}")
-    with BackgroundServer(build_state(loaded, settings)) as server:
-        # warm-up, untimed: first calls pay one-off costs (kernels, allocator)
-        with httpx.Client(timeout=600) as client:
-            stream_one(client, server.url, "bench", requests[0], 8)
-        print(f"one at a time for {args.sequential_duration:g} s ...", flush=True)
-        sequential = run_sequential(server.url, "bench", requests, args.max_tokens, args.sequential_duration)
-        print(f"{args.clients} concurrent clients for {args.duration:g} s ...", flush=True)
-        rss: list = []
-        concurrent = run_concurrent(server.url, "bench", requests, args.max_tokens, args.clients, args.duration, rss)
-        scheduler = server.state.scheduler
-        peak_batch = scheduler.peak_batch
-        pool = scheduler.cache.pool
-        kv = {"blocks": pool.num_blocks, "block_size": pool.block_size,
-              "pool_mb": scheduler.cache.storage.nbytes / 2**20, "peak_blocks_used": scheduler.peak_blocks_used,
-              "preemptions": scheduler.preemptions,
-              "prefix_cache": not args.no_prefix_cache, "prefix_hit_rate": pool.stats.hit_rate,
-              "evictions": pool.stats.evictions, "kind": args.kv}
-        spec = {"kind": args.spec, "k": args.spec_k, "max_batch": args.spec_max_batch, "options": args.spec_set,
-                "rounds": scheduler.spec_rounds, "proposed": scheduler.spec_proposed,
-                "accepted": scheduler.spec_accepted,
-                "acceptance_rate": scheduler.spec_accepted / scheduler.spec_proposed if scheduler.spec_proposed
-                else None}
+    async with httpx.AsyncClient(timeout=600) as client:  # warm-up, untimed: first calls pay one-off costs
+        await stream_one(client, url, "bench", requests[0], 8)
+    print(f"one at a time for {args.sequential_duration:g} s ...", flush=True)
+    sequential = await run_sequential(url, "bench", requests, args.max_tokens, args.sequential_duration)
+    print(f"{args.clients} concurrent clients for {args.duration:g} s ...", flush=True)
+    rss: list = []
+    concurrent = await run_concurrent(url, "bench", requests, args.max_tokens, args.clients, args.duration,
+                                      server_pid, rss)
+    return {"sequential": sequential, "concurrent": concurrent, "rss": rss}
+
+
+def report(args, info: dict, measured: dict, stats: dict) -> None:
+    sequential, concurrent, rss = measured["sequential"], measured["concurrent"], measured["rss"]
+    peak_batch, kv, max_batch = stats["peak_batch"], stats["kv"], info["max_batch"]
+    spec = {"kind": args.spec, "k": args.spec_k, "max_batch": args.spec_max_batch, "options": args.spec_set,
+            **stats["spec"],
+            "acceptance_rate": stats["spec"]["accepted"] / stats["spec"]["proposed"] if stats["spec"]["proposed"]
+            else None}
     ratio = concurrent["tokens_per_s"] / sequential["tokens_per_s"] if sequential["tokens_per_s"] else None
-    result = {"model": loaded.name, "dtype": loaded.precision.name, "clients": args.clients, "max_batch": max_batch,
+    result = {"model": info["model"], "dtype": info["dtype"], "clients": args.clients, "max_batch": max_batch,
               "max_tokens": args.max_tokens, "prompt_lengths": PROMPT_LENGTHS, "sequential": sequential,
               "concurrent": concurrent, "throughput_ratio": ratio, "peak_batch": peak_batch, "kv": kv,
               "spec": spec, "rss": rss_summary(rss), "rss_samples": rss}

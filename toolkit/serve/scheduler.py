@@ -8,7 +8,8 @@ reuses those blocks and prefills only the rest.
 Each turn of the loop: drop cancelled sequences (their blocks go back at once), admit waiting ones in arrival order
 while a batch row and the pool's free blocks allow (each prefilled alone, logits of its last position only), then one
 batched decode step for every running sequence. Torch work never runs on the event loop; the HTTP layer only
-enqueues and receives events.
+enqueues and receives events. A batched step's attention reads rows in buckets of similar length
+(toolkit.kv.paged.attention) rather than padding every row to the longest.
 
 Admission is by free blocks, not worst-case length: the head of the queue goes in when the pool has the blocks its
 prompt needs (past its cached prefix) plus one per running sequence for the tokens they add next. Sequences grow
@@ -42,6 +43,7 @@ import torch
 from toolkit.engine.generate import Detokenizer, paged_forward
 from toolkit.engine.sampling import sample
 from toolkit.kv.paged import OutOfBlocks
+from toolkit.kv.paged.attention import use_paged_attention
 from toolkit.serve.kv_pool import make_cache, prefill_cost, residual_tokens, staging_blocks
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.sequence import Sequence
@@ -81,6 +83,7 @@ class Scheduler:
         self.model, self.tokenizer, self.stop_tokens = model, tokenizer, stop_tokens
         self.limits, self.metrics, self.spec = limits, metrics, spec
         check_kv(spec, residual_tokens(limits.kv))
+        use_paged_attention(model)  # rows of different lengths attend without padding to the longest
         self.cache = make_cache(model, limits.max_kv_tokens, limits.block_size, limits.kv_budget_mb,
                                 limits.prefix_cache, kv=limits.kv, max_sequences=limits.max_batch,
                                 step_tokens=spec.max_draft + 1 if spec else 1,

@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from toolkit.engine.precision import model_precision
+from toolkit.kv.paged.attention import PAGED_ATTENTION, PLAN_KEY, Bucket, LayerPlan, bucket_rows
 from toolkit.kv.paged.pool import ROOT, BlockPool, OutOfBlocks
 from toolkit.kv.paged.storage import FPBlockStorage
 
@@ -62,6 +63,11 @@ class PagedKVLayer(CacheLayerMixin):
             raise RuntimeError(f"paged cache bound to {len(owner.batch)} rows x {owner.q} tokens, got "
                                f"{tuple(key_states.shape)}: call bind() before the model")
         owner.storage.write(self.index, owner.write_slots, key_states, value_states)
+        passed = kwargs.get("kwargs")  # the dict the model hands on to its attention call (see attention.py)
+        if owner.buckets is not None and isinstance(passed, dict):
+            layer_type = owner.layer_types[self.index] if owner.layer_types else "full_attention"
+            passed[PLAN_KEY] = LayerPlan(owner.storage, self.index, layer_type, owner.buckets)
+            return key_states, value_states  # unused: the attention call gathers bucket by bucket
         self.keys, self.values = owner.storage.gather(self.index, owner.read_index)
         return self.keys, self.values
 
@@ -95,9 +101,12 @@ class PagedKVCache(Cache):
         super().__init__(layers=[PagedKVLayer(self, i) for i in range(config.num_hidden_layers)])
         self.layer_types = list(getattr(config, "layer_types", None) or [])
         self.sliding_window = getattr(config, "sliding_window", None)
-        self.mask_is_bool = config._attn_implementation in ("sdpa", "flex_attention", None)
-        if config._attn_implementation not in ("sdpa", "eager", None):
+        self.mask_is_bool = config._attn_implementation in ("sdpa", PAGED_ATTENTION, "flex_attention", None)
+        if config._attn_implementation not in ("sdpa", PAGED_ATTENTION, "eager", None):
             raise NotImplementedError(f"paged cache masks for attention {config._attn_implementation!r}")
+        # rows of different lengths are read bucket by bucket rather than all padded to the longest (attention.py)
+        self.bucketed = config._attn_implementation == PAGED_ATTENTION
+        self.buckets: list[Bucket] | None = None
         self.batch: list[PagedSequence] = []
         self.q = 0
         self.width = 0
@@ -199,7 +208,23 @@ class PagedKVCache(Cache):
         visible = cols[None, None, :] <= positions[:, :, None]  # [rows, q, width]
         self.read_index = torch.where(visible.any(1), slots, torch.zeros_like(slots))
         self.batch, self.q, self._pending = seqs, q, new_tokens
+        self.buckets = self._buckets(lengths, visible, positions, cols) if self.bucketed and len(seqs) > 1 else None
         return positions, self._masks(visible, positions, cols)
+
+    def _buckets(self, lengths, visible, positions, cols) -> list[Bucket] | None:
+        """The batch cut into buckets of similar width (attention.bucket_rows); None when one bucket is best (the
+        plain padded gather then runs)."""
+        widths = (lengths + self.q).tolist()
+        groups = bucket_rows(widths)
+        if len(groups) == 1:
+            return None
+        buckets = []
+        for group in groups:
+            rows = torch.tensor(group, dtype=torch.long, device=self.device)
+            width = max(widths[r] for r in group)
+            buckets.append(Bucket(rows, self.read_index[rows, :width],
+                                  self._mask_dict(visible[rows, :, :width], positions[rows], cols[:width])))
+        return buckets
 
     def commit(self) -> None:
         """The bound call ran: the new tokens are now held; register the blocks they filled."""
@@ -214,7 +239,7 @@ class PagedKVCache(Cache):
                 for j in range(seq.sealed, max(0, seq.length - residual) // bs):
                     self.storage.seal_block(seq.blocks[j])
                 seq.sealed = max(seq.sealed, max(0, seq.length - residual) // bs)
-        self.batch, self._pending = [], []
+        self.batch, self._pending, self.buckets = [], [], None
 
     def _make_writable(self, seq: PagedSequence, start: int, end: int) -> None:
         bs, pool = self.block_size, self.pool
@@ -242,12 +267,16 @@ class PagedKVCache(Cache):
         return block
 
     def _masks(self, visible: torch.Tensor, positions: torch.Tensor, cols: torch.Tensor):
+        masks = self._mask_dict(visible, positions, cols)
+        return masks if len(set(self.layer_types)) > 1 or "sliding_attention" in masks else masks["full_attention"]
+
+    def _mask_dict(self, visible: torch.Tensor, positions: torch.Tensor, cols: torch.Tensor) -> dict:
         masks = {"full_attention": self._as_mask(visible)}
         if "sliding_attention" in self.layer_types and self.sliding_window:
             # as transformers' sliding overlay: a query at position p sees keys k with k > p - window
             near = cols[None, None, :] > positions[:, :, None] - self.sliding_window
             masks["sliding_attention"] = self._as_mask(visible & near)
-        return masks if len(set(self.layer_types)) > 1 or "sliding_attention" in masks else masks["full_attention"]
+        return masks
 
     def _as_mask(self, visible: torch.Tensor) -> torch.Tensor:
         mask = visible[:, None]  # [rows, 1, q, width]
