@@ -87,11 +87,11 @@ def test_residual_covering_the_sequence_is_bit_exact_with_fp(llama):
 def _state(cache: QuantizedKVCache) -> list[torch.Tensor]:
     out = []
     for layer in cache.layers:
-        tq, n = layer.quantized, layer.length - layer.quantized
+        tk, tv, n = layer.quantized, layer.v_quantized, layer.length
         G = layer.cfg.group_size
-        out += [c[:, :, :tq] for c in layer.k_codes + layer.v_codes]
-        out += [layer.k_scale[:, :, :tq // G], layer.k_min[:, :, :tq // G], layer.v_scale[:, :, :tq],
-                layer.v_min[:, :, :tq], layer.k_res[:, :, :n], layer.v_res[:, :, :n]]
+        out += [c[:, :, :tk] for c in layer.k_codes] + [c[:, :, :tv] for c in layer.v_codes]
+        out += [layer.k_scale[:, :, :tk // G], layer.k_min[:, :, :tk // G], layer.v_scale[:, :, :tv],
+                layer.v_min[:, :, :tv], layer.k_res[:, :, :n - tk], layer.v_res[:, :, :n - tv]]
     return out
 
 
@@ -127,6 +127,45 @@ def test_crop_then_append_equals_the_shorter_cache_built_fresh(kind, crop_to):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
     assert all(torch.equal(a, b) for a, b in zip(_state(cache), _state(fresh), strict=True))
     assert cache.nbytes == fresh.nbytes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_any_rollback_within_kv_rollback_equals_the_cache_built_fresh(seed):
+    # A speculative loop's life: appends of 1..k+1 tokens, each followed by a crop of at most what it appended and at
+    # most `rollback` tokens, over many group boundaries. After every crop the state, what attention reads next and the bytes equal a cache fed the same
+    # tokens in one go.
+    import random
+
+    rng = random.Random(seed)
+    cfg = quant_config({"kind": rng.choice(["int8", "int4", "int2"]), "residual": rng.choice([0, 3, 8]),
+                        "group_size": 8, "rollback": rng.choice([1, 5, 9])})
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(1, 2, 200, 16, generator=gen), torch.randn(1, 2, 200, 16, generator=gen)
+    cache = QuantizedKVCache(1, 200, cfg)
+    while cache.length < 170:
+        appended = rng.randint(1, 10)  # a verify pass of k + 1 tokens (or a draft's k) ...
+        _feed(cache, k, v, [appended], cache.length)
+        cache.crop(cache.length - rng.randint(0, min(cfg.rollback, appended)))  # ... then its rejected tail
+        fresh = QuantizedKVCache(1, 200, cfg)
+        _feed(fresh, k, v, [cache.length])
+        assert all(torch.equal(a, b) for a, b in zip(_state(cache), _state(fresh), strict=True))
+        assert cache.nbytes == fresh.nbytes
+        (ka, va), (kb, vb) = _feed(cache, k, v, [2], cache.length)[0], _feed(fresh, k, v, [2], fresh.length)[0]
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_a_crop_deeper_than_kv_rollback_raises_and_changes_nothing():
+    cfg = quant_config({"kind": "int4", "residual": 8, "group_size": 8, "rollback": 3})
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, 2, 64, 16, generator=gen), torch.randn(1, 2, 64, 16, generator=gen)
+    cache = QuantizedKVCache(1, 64, cfg)
+    _feed(cache, k, v, [44])
+    before = [t.clone() for t in _state(cache)]
+    with pytest.raises(InputError, match="values of tokens 32..36"):
+        cache.crop(40)  # keys stay as they are (32 quantized at 40 and 44), but values 32..35 must come back
+    assert cache.length == 44 and all(torch.equal(a, b) for a, b in zip(before, _state(cache)))
+    cache.crop(41)  # 3 tokens: within kv.rollback
+    assert cache.length == 41 and cache.layers[0].v_quantized == 33
 
 
 @pytest.mark.parametrize("kind,dequant", [("fp", None), ("int8", "full"), ("int4", "full"), ("int2", "full"),
@@ -201,12 +240,13 @@ def test_cached_float_copy_reads_the_same_values(llama):
     assert cached.nbytes > full.nbytes  # the float copy is counted
 
 
-@pytest.mark.parametrize("kind,group,residual,shadow", [("int8", 8, 8, True), ("int4", 16, 8, False),
-                                                        ("int2", 8, 0, True), ("int8h", 16, 16, True)])
-def test_memory_formula_equals_the_real_tensor_bytes(llama, kind, group, residual, shadow):
+@pytest.mark.parametrize("kind,group,residual,shadow,rollback", [("int8", 8, 8, True, 16), ("int4", 16, 8, False, 16),
+                                                                 ("int2", 8, 0, True, 4), ("int8h", 16, 16, True, 3),
+                                                                 ("int4", 8, 4, True, 0)])
+def test_memory_formula_equals_the_real_tensor_bytes(llama, kind, group, residual, shadow, rollback):
     model, _ = llama
     cfg = {"kind": kind[:4], "residual": residual, "group_size": group, "crop_shadow": shadow,
-           "hierarchical": kind == "int8h"}
+           "hierarchical": kind == "int8h", "rollback": rollback}
     cache = make_kv_cache(model, 64, cfg)
     shape = model_kv_shape(model)
     ids = _ids(60, seed=3)
@@ -215,12 +255,15 @@ def test_memory_formula_equals_the_real_tensor_bytes(llama, kind, group, residua
         formula = quantized_kv_bytes(quant_config(cfg), cache.length, batch=1, residual_bytes=4, **shape)
         real = 0
         for layer in cache.layers:  # the bytes of the tensors' filled parts, read off the tensors themselves
-            tq, G = layer.quantized, group
-            real += sum(c[:, :, :tq].nbytes for c in layer.k_codes + layer.v_codes)
-            real += layer.k_scale[:, :, :tq // G].nbytes + layer.k_min[:, :, :tq // G].nbytes
-            real += layer.v_scale[:, :, :tq].nbytes + layer.v_min[:, :, :tq].nbytes
-            real += layer.k_res[:, :, :cache.length - tq].nbytes * 2
-            real += layer.k_shadow.nbytes * 2 if shadow and tq else 0
+            tk, tv, G = layer.quantized, layer.v_quantized, group
+            assert tv == max(0, cache.length - residual)  # values are quantized per token, keys per group
+            real += sum(c[:, :, :tk].nbytes for c in layer.k_codes) + sum(c[:, :, :tv].nbytes for c in layer.v_codes)
+            real += layer.k_scale[:, :, :tk // G].nbytes + layer.k_min[:, :, :tk // G].nbytes
+            real += layer.v_scale[:, :, :tv].nbytes + layer.v_min[:, :, :tv].nbytes
+            real += layer.k_res[:, :, :cache.length - tk].nbytes + layer.v_res[:, :, :cache.length - tv].nbytes
+            if shadow:  # the shadow rows holding originals (every one a crop of `rollback` tokens could need)
+                real += layer.k_shadow.nbytes if layer.shadow_valid else 0
+                real += layer.v_shadow[:, :, rollback - layer.v_shadow_n:].nbytes
         assert formula == real == cache.nbytes
 
 
@@ -236,8 +279,8 @@ def test_int4_view_reads_the_high_planes_of_the_same_memory(llama):
     view = Int4View(cache)
     assert view.length == 31 and view.nbytes < cache.nbytes
     layer = cache.layers[0]
-    k8, _ = layer.dequantize()
-    k4, _ = layer.dequantize(hi_only=True)
+    k8 = layer.dequantize_keys()
+    k4 = layer.dequantize_keys(hi_only=True)
     groups = layer.quantized // 8
     step = layer.k_scale[:, :, :groups].float().expand(-1, -1, -1, 8, -1).reshape(k8.shape)
     assert ((k4 - k8).abs() <= 8 * step + 1e-5).all()  # within half an INT4 step (16 INT8 steps) of the INT8 values
@@ -327,3 +370,18 @@ def test_int8_greedy_generation_agrees_with_fp_smollm2(smollm2):
     agreement = _agreement(q, fp)
     print(f"SmolLM2 int8 KV (g32 r32) greedy agreement with fp over 64 tokens after 400: {agreement:.3f}")
     assert agreement >= 0.9
+
+
+def test_speculation_refuses_a_quantized_cache_that_cannot_roll_back_a_verify_pass(llama):
+    from toolkit.spec.decode import DraftLength, speculative_generate
+    from toolkit.spec.drafts import LookupDraft
+
+    model, tokenizer = llama
+    kv = {"kind": "int4", "group_size": 8, "residual": 8, "rollback": 4}
+    with pytest.raises(InputError, match="kv.rollback>=5"):
+        speculative_generate(model, tokenizer, ["hello there"], 4, LookupDraft(), DraftLength(k=4), kv=kv)
+    with pytest.raises(InputError, match="kv.residual>=9"):
+        speculative_generate(model, tokenizer, ["hello there"], 4, LookupDraft(), DraftLength(k=8),
+                             kv={**kv, "crop_shadow": False})
+    out = speculative_generate(model, tokenizer, ["hello there"], 4, LookupDraft(), DraftLength(k=3), kv=kv)
+    assert len(out.sequences[0].token_ids) == 4

@@ -14,7 +14,8 @@ class KVQuantConfig:
     group_size: int = 32  # tokens per key scale (per channel); channels per value scale, capped at head_dim
     residual: int = 128  # the most recent tokens kept in full precision (KIVI's R)
     hierarchical: bool = False  # INT8 stored as two INT4 planes; the high plane is a valid INT4 cache
-    crop_shadow: bool = True  # keep the last flushed group in full precision so crop stays exact (see layer)
+    crop_shadow: bool = True  # keep full-precision shadows so a crop of up to `rollback` tokens stays exact
+    rollback: int = 17  # the deepest crop kept exact: a verify pass of k + 1 tokens (default spec k_max 16, + 1)
     dequant: str = "full"  # "full": dequantize the quantized part per step; "cached": keep a float copy (no saving)
 
     def __post_init__(self):
@@ -23,6 +24,9 @@ class KVQuantConfig:
         if self.group_size < 8 or self.group_size & (self.group_size - 1):
             raise InputError(f"kv.group_size={self.group_size} is not a power of two >= 8",
                              "use kv.group_size=32, 64 or 128")
+        if self.rollback < 0:
+            raise InputError(f"kv.rollback={self.rollback} is negative",
+                             "use kv.rollback >= the largest speculative draft length + 1 (default 17)")
         if self.residual < 0:
             raise InputError(f"kv.residual={self.residual} is negative", "use kv.residual >= 0 (default 128)")
         if self.hierarchical and self.bits != 8:
@@ -35,12 +39,28 @@ class KVQuantConfig:
         get = node.get if hasattr(node, "get") else (lambda k, d=None: d)
         return cls(bits=int(get("bits", 4)), group_size=int(get("group_size", 32)), residual=int(get("residual", 128)),
                    hierarchical=bool(get("hierarchical", False)), crop_shadow=bool(get("crop_shadow", True)),
-                   dequant=str(get("dequant", "full")))
+                   rollback=int(get("rollback", 17)), dequant=str(get("dequant", "full")))
+
+    def flushed_values(self, length: int) -> int:
+        """Values held quantized when `length` tokens are cached: all but the last `residual` (values are quantized
+        per token, so each one is as soon as it leaves the window)."""
+        return max(0, length - self.residual)
 
     def flushed_tokens(self, length: int) -> int:
-        """Tokens held quantized when `length` are cached: the largest whole number of groups leaving at least
+        """Keys held quantized when `length` are cached: the largest whole number of groups leaving at least
         `residual` tokens in full precision. A function of the length alone, so the state never depends on how
         the tokens were chunked (prefill, decode, speculative verify): what makes crop-then-append exact."""
         if length <= self.residual:
             return 0
         return (length - self.residual) // self.group_size * self.group_size
+
+
+def check_rollback(cfg: KVQuantConfig, depth: int, what: str) -> None:
+    """Refuse, before anything runs, a quantized cache that could not crop `depth` tokens exactly (a speculative
+    loop appends k + 1 tokens per verify pass and rolls back up to all of them)."""
+    if cfg.crop_shadow and cfg.rollback < depth:
+        raise InputError(f"kv.rollback={cfg.rollback} is shorter than the {depth}-token rollbacks {what} makes",
+                         f"set kv.rollback>={depth}")
+    if not cfg.crop_shadow and cfg.residual < depth:
+        raise InputError(f"kv.crop_shadow=false with kv.residual={cfg.residual}: {what} rolls back up to {depth} "
+                         "tokens, past the full-precision window", f"set kv.crop_shadow=true or kv.residual>={depth}")

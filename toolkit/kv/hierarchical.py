@@ -72,5 +72,5 @@ class Int4View(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes a draft step reads through the view: the high planes, scales/minima, residual (and shadow)."""
-        return self.cache.nbytes - sum(layer.k_codes[1][:, :, :1].numel() * 2 * layer.quantized
+        return self.cache.nbytes - sum(layer.k_codes[1][:, :, :1].numel() * (layer.quantized + layer.v_quantized)
                                        for layer in self.cache.layers if layer.is_initialized)

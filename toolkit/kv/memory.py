@@ -7,19 +7,24 @@ from toolkit.kv.config import KVQuantConfig
 def quantized_kv_bytes(cfg: KVQuantConfig, tokens: int, layers: int, batch: int, kv_heads: int, head_dim: int,
                        residual_bytes: int = 2) -> int:
     """Bytes of a `QuantizedKVCache` holding `tokens` per sequence: per (layer, sequence, head)
-        codes        2 * Tq * head_dim * bits / 8                     (keys and values)
-        key scales   2 * (Tq / G) * head_dim * 2                      (fp16 scale and minimum per channel per group)
-        value scales 2 * Tq * (head_dim / min(G, head_dim)) * 2        (fp16 scale and minimum per token per group)
-        residual     2 * (tokens - Tq) * head_dim * residual_bytes
-        shadow       2 * G * head_dim * residual_bytes, once a group was flushed (cfg.crop_shadow)
-    with Tq = cfg.flushed_tokens(tokens); residual_bytes is the activations' element size (4 fp32, 2 bf16)."""
-    G, tq = cfg.group_size, cfg.flushed_tokens(tokens)
+        key codes     Tk * head_dim * bits / 8
+        value codes   Tv * head_dim * bits / 8
+        key scales    (Tk / G) * head_dim * 2 * 2                 (fp16 scale and minimum per channel per group)
+        value scales  Tv * (head_dim / min(G, head_dim)) * 2 * 2   (fp16 scale and minimum per token per group)
+        full precision ((tokens - Tk) + (tokens - Tv)) * head_dim * residual_bytes
+        shadows       with cfg.crop_shadow: min(S, Tv) value tokens, and the last key group (G tokens) while
+                      tokens < Tk + R + S, each head_dim * residual_bytes
+    with Tk = cfg.flushed_tokens(tokens), Tv = cfg.flushed_values(tokens), S = cfg.rollback; residual_bytes is the
+    activations' element size (4 fp32, 2 bf16)."""
+    G, R, S = cfg.group_size, cfg.residual, cfg.rollback
+    tk, tv = cfg.flushed_tokens(tokens), cfg.flushed_values(tokens)
     vg = min(G, head_dim)
-    per_head = 2 * tq * head_dim * cfg.bits // 8
-    per_head += 2 * (tq // G) * head_dim * 2 + 2 * tq * (head_dim // vg) * 2
-    per_head += 2 * (tokens - tq) * head_dim * residual_bytes
-    if cfg.crop_shadow and tq:
-        per_head += 2 * G * head_dim * residual_bytes
+    per_head = (tk + tv) * head_dim * cfg.bits // 8
+    per_head += (tk // G) * head_dim * 2 * 2 + tv * (head_dim // vg) * 2 * 2
+    per_head += (2 * tokens - tk - tv) * head_dim * residual_bytes
+    if cfg.crop_shadow:
+        shadow_tokens = min(S, tv) + (G if tk and tokens < tk + R + S else 0)
+        per_head += shadow_tokens * head_dim * residual_bytes
     return per_head * layers * batch * kv_heads
 
 

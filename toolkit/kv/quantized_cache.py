@@ -1,25 +1,29 @@
 """A KIVI-style quantized KV cache that transformers' attention writes into, croppable exactly.
 
-Layout per layer (batch B, kv heads H, head dim D, group G, residual R):
-  * quantized part, the first Tq = cfg.flushed_tokens(length) tokens (a multiple of G):
-      keys   codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T/G, 1, D]  (per channel over G tokens)
-      values codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T, D/Gv, 1] (per token over Gv = min(G, D) channels)
+Layout per layer (batch B, kv heads H, head dim D, group G, residual R, rollback S):
+  * keys: the first Tk = cfg.flushed_tokens(length) tokens (a multiple of G) quantized per channel over G tokens:
+      codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T/G, 1, D]; the remaining R <= n < R + G tokens in full
+      precision (fewer while the cache holds < R + G). Keys need G tokens before a group can be quantized.
+  * values: the first Tv = cfg.flushed_values(length) = length - R tokens quantized per token over Gv = min(G, D)
+      channels: codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T, D/Gv, 1]; exactly the last R tokens in full
+      precision (a token is quantized as soon as it leaves the window, as in KIVI).
     (hierarchical INT8: codes as two packed 4-bit planes, hi and lo; same bytes as INT8.)
-  * a full-precision residual of the remaining R <= n < R + G tokens (fewer when the whole cache holds < R + G);
-    whenever it reaches R + G tokens its oldest whole groups are quantized (flushed).
-  * with crop_shadow, a full-precision copy of the most recently flushed group.
+  * with crop_shadow, full-precision shadows so that a crop of up to S = cfg.rollback tokens is exact: the last
+    flushed key group while a crop that deep could still reach below it (until length >= Tk + R + S), and the
+    originals of the last S flushed value tokens.
 
-Why the shadow: the state is a function of the length alone (see `KVQuantConfig.flushed_tokens`), so cropping to
-below `Tq + R` must un-flush the last group back into full precision, exactly as a cache built fresh at that length
-holds it. Dequantize-requantize cannot give back the original values; the shadow can. One group covers any crop of
-up to G tokens below the highest flush point (a speculative rollback is a few tokens); a crop that would need an
-older group raises instead of silently diverging. Its G tokens are counted in `nbytes`; without it
-(`kv.crop_shadow=false`) crops inside the full-precision part still work and deeper ones raise.
+Why the shadows: the state is a function of the length alone (`flushed_tokens`, `flushed_values`), so cropping
+must un-flush what a cache built fresh at the shorter length holds in full precision: the last key group and the
+last values. Dequantize-requantize cannot give back the original values; the shadows can. They cover a
+speculative rollback: a crop of at most kv.rollback tokens (default 17: a verify pass of the largest default spec
+k_max 16, + 1) and at most what was appended since the last crop. A crop that would need
+originals no longer kept raises instead of silently diverging. Their bytes are counted in `nbytes`; without them
+(`kv.crop_shadow=false`) crops that stay inside the full-precision parts still work and deeper ones raise.
 
-What attention gets: the quantized part dequantized, then the residual and the new tokens in full precision, i.e.
-tokens are read back quantized only from the step after they were flushed (as KIVI and transformers'
-QuantizedCache do). `dequant="cached"` keeps a dequantized float copy updated only when groups flush: same values,
-but it holds a float copy of the whole cache, which defeats the purpose; it exists to measure against.
+What attention gets: the quantized parts dequantized, then the full-precision tokens and the new ones, i.e. tokens
+are read back quantized only from the step after they were flushed (as KIVI and transformers' QuantizedCache do).
+`dequant="cached"` keeps a dequantized float copy updated only when tokens flush: same values, but it holds a float
+copy of the whole cache, which defeats the purpose; it exists to measure against.
 """
 
 import torch
@@ -49,8 +53,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.cfg = cfg
         self.max_length = max_length
         self.length = 0  # tokens held
-        self.quantized = 0  # of which quantized (a multiple of the group size)
-        self.shadow_valid = False
+        self.quantized = 0  # keys quantized (a multiple of the group size)
+        self.v_quantized = 0  # values quantized (length - residual once the cache is longer than that)
+        self.shadow_valid = False  # k_shadow holds the originals of key group [quantized - G, quantized)
+        self.v_shadow_n = 0  # v_shadow's last v_shadow_n rows hold the originals of values [v_quantized - n, ..)
 
     # ---- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -63,64 +69,76 @@ class QuantizedKVLayer(CacheLayerMixin):
             raise InputError(f"head dim {D} is not a multiple of kv.group_size={cfg.group_size}",
                              "use kv.group_size dividing the head dim, or kv=fp")
         self.dtype, self.device = key_states.dtype, key_states.device
-        G, T = cfg.group_size, self.max_length // cfg.group_size * cfg.group_size
+        G, T, V = cfg.group_size, self.max_length // cfg.group_size * cfg.group_size, self.max_length
         u8, f16 = dict(dtype=torch.uint8, device=self.device), dict(dtype=torch.float16, device=self.device)
         fp = dict(dtype=self.dtype, device=self.device)
         planes = (2, D // 2) if cfg.hierarchical else (1, D * cfg.bits // 8)
         self.k_codes = [torch.empty(B, H, T, planes[1], **u8) for _ in range(planes[0])]
-        self.v_codes = [torch.empty(B, H, T, planes[1], **u8) for _ in range(planes[0])]
+        self.v_codes = [torch.empty(B, H, V, planes[1], **u8) for _ in range(planes[0])]
         self.k_scale = torch.empty(B, H, T // G, 1, D, **f16)
         self.k_min = torch.empty_like(self.k_scale)
-        self.v_scale = torch.empty(B, H, T, D // self.value_group, 1, **f16)
+        self.v_scale = torch.empty(B, H, V, D // self.value_group, 1, **f16)
         self.v_min = torch.empty_like(self.v_scale)
         self.k_res = torch.empty(B, H, cfg.residual + G, D, **fp)
-        self.v_res = torch.empty_like(self.k_res)
+        self.v_res = torch.empty(B, H, cfg.residual, D, **fp)
         if cfg.crop_shadow:
             self.k_shadow = torch.empty(B, H, G, D, **fp)
-            self.v_shadow = torch.empty_like(self.k_shadow)
+            self.v_shadow = torch.empty(B, H, cfg.rollback, D, **fp)
         if cfg.dequant == "cached":
             self.k_float = torch.empty(B, H, self.max_length, D, **fp)
             self.v_float = torch.empty_like(self.k_float)
-            self.float_synced = 0  # quantized tokens already written dequantized into the float copy
+            self.k_synced = self.v_synced = 0  # quantized tokens already written dequantized into the float copy
         self.is_initialized = True
 
-    def _store(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize whole groups k, v [B, H, n*G, D] into positions start.. of the quantized part."""
-        cfg, G = self.cfg, self.cfg.group_size
+    def _put(self, codes: torch.Tensor, dest: list[torch.Tensor], start: int) -> None:
+        planes = split_planes(codes) if self.cfg.hierarchical else (pack(codes, self.cfg.bits),)
+        for plane, buf in zip(planes, dest):
+            buf[:, :, start:start + codes.shape[2]] = plane
+
+    def _store_keys(self, start: int, k: torch.Tensor) -> None:
+        """Quantize whole key groups k [B, H, n*G, D] into positions start.. of the quantized keys."""
+        G = self.cfg.group_size
         B, H, n, D = k.shape
-        kc, ks, km = quantize_groups(k.view(B, H, n // G, G, D), cfg.bits, dim=-2)
-        vc, vs, vm = quantize_groups(v.view(B, H, n, D // self.value_group, self.value_group), cfg.bits, dim=-1)
+        kc, ks, km = quantize_groups(k.view(B, H, n // G, G, D), self.cfg.bits, dim=-2)
         self.k_scale[:, :, start // G:(start + n) // G] = ks
         self.k_min[:, :, start // G:(start + n) // G] = km
+        self._put(kc.view(B, H, n, D), self.k_codes, start)
+
+    def _store_values(self, start: int, v: torch.Tensor) -> None:
+        """Quantize value tokens v [B, H, n, D] (each on its own) into positions start.. of the quantized values."""
+        B, H, n, D = v.shape
+        vg = self.value_group
+        vc, vs, vm = quantize_groups(v.view(B, H, n, D // vg, vg), self.cfg.bits, dim=-1)
         self.v_scale[:, :, start:start + n] = vs
         self.v_min[:, :, start:start + n] = vm
-        for codes, dest in ((kc.view(B, H, n, D), self.k_codes), (vc.view(B, H, n, D), self.v_codes)):
-            planes = split_planes(codes) if cfg.hierarchical else (pack(codes, cfg.bits),)
-            for plane, buf in zip(planes, dest):
-                buf[:, :, start:start + n] = plane
+        self._put(vc.view(B, H, n, D), self.v_codes, start)
 
-    def _codes(self, planes: list[torch.Tensor], end: int, hi_only: bool) -> torch.Tensor:
+    def _codes(self, planes: list[torch.Tensor], start: int, end: int, hi_only: bool) -> torch.Tensor:
         if hi_only:
-            return unpack(planes[0][:, :, :end], 4)
+            return unpack(planes[0][:, :, start:end], 4)
         if self.cfg.hierarchical:
-            return join_planes(planes[0][:, :, :end], planes[1][:, :, :end])
-        return unpack(planes[0][:, :, :end], self.cfg.bits)
+            return join_planes(planes[0][:, :, start:end], planes[1][:, :, start:end])
+        return unpack(planes[0][:, :, start:end], self.cfg.bits)
 
-    def dequantize(self, start: int = 0, end: int | None = None, hi_only: bool = False):
-        """Keys and values [B, H, end-start, D] of the quantized part (group-aligned range) in the cache dtype;
-        `hi_only`: the INT4 reading of hierarchical codes."""
+    def dequantize_keys(self, start: int = 0, end: int | None = None, hi_only: bool = False) -> torch.Tensor:
+        """Keys [B, H, end-start, D] of the quantized part (a group-aligned range) in the cache dtype; `hi_only`:
+        the INT4 reading of hierarchical codes."""
         G = self.cfg.group_size
         end = self.quantized if end is None else end
-        kc = self._codes(self.k_codes, end, hi_only)[:, :, start:]
-        vc = self._codes(self.v_codes, end, hi_only)[:, :, start:]
+        kc = self._codes(self.k_codes, start, end, hi_only)
         B, H, n, D = kc.shape
         deq = dequantize_hi if hi_only else dequantize_groups
-        k = deq(kc.view(B, H, n // G, G, D), self.k_scale[:, :, start // G:end // G],
-                self.k_min[:, :, start // G:end // G], self.dtype).view(B, H, n, D)
+        return deq(kc.view(B, H, n // G, G, D), self.k_scale[:, :, start // G:end // G],
+                   self.k_min[:, :, start // G:end // G], self.dtype).view(B, H, n, D)
+
+    def dequantize_values(self, start: int = 0, end: int | None = None, hi_only: bool = False) -> torch.Tensor:
+        end = self.v_quantized if end is None else end
+        vc = self._codes(self.v_codes, start, end, hi_only)
+        B, H, n, D = vc.shape
         vg = self.value_group
-        v = deq(vc.view(B, H, n, D // vg, vg), self.v_scale[:, :, start:end], self.v_min[:, :, start:end],
-                self.dtype).view(B, H, n, D)
-        return k, v
+        deq = dequantize_hi if hi_only else dequantize_groups
+        return deq(vc.view(B, H, n, D // vg, vg), self.v_scale[:, :, start:end], self.v_min[:, :, start:end],
+                   self.dtype).view(B, H, n, D)
 
     # ---- the Cache layer interface --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, hi_only: bool = False, **kwargs):
@@ -129,55 +147,78 @@ class QuantizedKVLayer(CacheLayerMixin):
         t = key_states.shape[-2]
         if self.length + t > self.max_length:
             raise RuntimeError(f"KV cache overflow: {self.length + t} tokens > max_length {self.max_length}")
-        n_res = self.length - self.quantized
-        keys, values = self._read(key_states, value_states, n_res, hi_only)
-        self._append(key_states, value_states, n_res)
+        keys, values = self._read(key_states, value_states, hi_only)
+        self._append(key_states, value_states)
         return keys, values
 
-    def _read(self, k_new, v_new, n_res, hi_only):
-        """What attention sees for this step: the quantized part dequantized, the residual, the new tokens."""
+    def _read(self, k_new, v_new, hi_only):
+        """What attention sees for this step: the quantized parts dequantized, the full-precision tokens, the new."""
         if self.cfg.dequant == "cached" and not hi_only:
-            if self.float_synced < self.quantized:
-                k, v = self.dequantize(self.float_synced, self.quantized)
-                self.k_float[:, :, self.float_synced:self.quantized] = k
-                self.v_float[:, :, self.float_synced:self.quantized] = v
-                self.float_synced = self.quantized
+            if self.k_synced < self.quantized:
+                self.k_float[:, :, self.k_synced:self.quantized] = self.dequantize_keys(self.k_synced)
+                self.k_synced = self.quantized
+            if self.v_synced < self.v_quantized:
+                self.v_float[:, :, self.v_synced:self.v_quantized] = self.dequantize_values(self.v_synced)
+                self.v_synced = self.v_quantized
             end, t = self.length, k_new.shape[-2]
             self.k_float[:, :, end:end + t] = k_new
             self.v_float[:, :, end:end + t] = v_new
             return self.k_float[:, :, :end + t], self.v_float[:, :, :end + t]
-        parts_k, parts_v = [k_new], [v_new]
-        if n_res:
-            parts_k.insert(0, self.k_res[:, :, :n_res])
-            parts_v.insert(0, self.v_res[:, :, :n_res])
-        if self.quantized:
-            k, v = self.dequantize(hi_only=hi_only)
-            parts_k.insert(0, k)
-            parts_v.insert(0, v)
-        if len(parts_k) == 1:
-            return k_new, v_new
-        return torch.cat(parts_k, dim=-2), torch.cat(parts_v, dim=-2)
+        return (self._joined(self.quantized, self.k_res, k_new, lambda: self.dequantize_keys(hi_only=hi_only)),
+                self._joined(self.v_quantized, self.v_res, v_new, lambda: self.dequantize_values(hi_only=hi_only)))
 
-    def _append(self, k_new, v_new, n_res):
+    def _joined(self, quantized: int, res: torch.Tensor, new: torch.Tensor, dequantized) -> torch.Tensor:
+        parts = [new]
+        if self.length > quantized:
+            parts.insert(0, res[:, :, :self.length - quantized])
+        if quantized:
+            parts.insert(0, dequantized())
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+    def _append(self, k_new, v_new):
         new_length = self.length + k_new.shape[-2]
-        flush = self.cfg.flushed_tokens(new_length) - self.quantized
+        cfg = self.cfg
+        # keys: whole groups, once they are R tokens old
+        n_res, flush = self.length - self.quantized, cfg.flushed_tokens(new_length) - self.quantized
         if flush == 0:
             self.k_res[:, :, n_res:n_res + k_new.shape[-2]] = k_new
-            self.v_res[:, :, n_res:n_res + k_new.shape[-2]] = v_new
         else:
             k_all = torch.cat([self.k_res[:, :, :n_res], k_new], dim=-2)
-            v_all = torch.cat([self.v_res[:, :, :n_res], v_new], dim=-2)
-            self._store(self.quantized, k_all[:, :, :flush], v_all[:, :, :flush])
-            if self.cfg.crop_shadow:
-                G = self.cfg.group_size
-                self.k_shadow.copy_(k_all[:, :, flush - G:flush])
-                self.v_shadow.copy_(v_all[:, :, flush - G:flush])
+            self._store_keys(self.quantized, k_all[:, :, :flush])
+            if cfg.crop_shadow:
+                self.k_shadow.copy_(k_all[:, :, flush - cfg.group_size:flush])
                 self.shadow_valid = True
-            rest = k_all.shape[-2] - flush
-            self.k_res[:, :, :rest] = k_all[:, :, flush:]
-            self.v_res[:, :, :rest] = v_all[:, :, flush:]
+            self.k_res[:, :, :k_all.shape[-2] - flush] = k_all[:, :, flush:]
             self.quantized += flush
+        # values: every token, as soon as it leaves the last R
+        n_res, flush = self.length - self.v_quantized, cfg.flushed_values(new_length) - self.v_quantized
+        if flush == 0:
+            self.v_res[:, :, n_res:n_res + v_new.shape[-2]] = v_new
+        else:
+            v_all = torch.cat([self.v_res[:, :, :n_res], v_new], dim=-2)
+            self._store_values(self.v_quantized, v_all[:, :, :flush])
+            if cfg.crop_shadow and cfg.rollback:
+                self._push_value_shadow(v_all[:, :, :flush])
+            self.v_res[:, :, :v_all.shape[-2] - flush] = v_all[:, :, flush:]
+            self.v_quantized += flush
         self.length = new_length
+        self._expire_key_shadow()
+
+    def _push_value_shadow(self, flushed: torch.Tensor) -> None:
+        """Keep the originals of the last S flushed values at the end of v_shadow."""
+        S, n = self.cfg.rollback, flushed.shape[-2]
+        if n >= S:
+            self.v_shadow.copy_(flushed[:, :, n - S:])
+        else:
+            self.v_shadow[:, :, :S - n] = self.v_shadow[:, :, n:].clone()
+            self.v_shadow[:, :, S - n:] = flushed
+        self.v_shadow_n = min(S, self.v_shadow_n + n)
+
+    def _expire_key_shadow(self) -> None:
+        # a crop of at most `rollback` tokens un-flushes the last key group only while length < Tk + R + rollback
+        cfg = self.cfg
+        if self.shadow_valid and self.length >= self.quantized + cfg.residual + cfg.rollback:
+            self.shadow_valid = False
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -188,6 +229,14 @@ class QuantizedKVLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_length
 
+    def _cannot_crop(self, new_length: int, what: str) -> InputError:
+        return InputError(
+            f"cannot crop the quantized KV cache from {self.length} to {new_length} tokens exactly: that needs the "
+            f"full-precision {what}, and only the last kv.rollback={self.cfg.rollback} tokens' worth is kept"
+            + ("" if self.cfg.crop_shadow else " (kv.crop_shadow=false: none is kept)"),
+            "crop at most kv.rollback tokens at a time (or rebuild the cache), or raise kv.rollback, or raise "
+            "kv.residual so rollbacks stay in the full-precision window")
+
     @torch.inference_mode()  # the buffers are inference tensors when the engine made them; writable only here
     def crop(self, length: int) -> None:
         """Keep the first `length` tokens (negative: remove that many), leaving the state a cache built fresh at
@@ -195,31 +244,36 @@ class QuantizedKVLayer(CacheLayerMixin):
         new_length = self.length + length if length < 0 else length
         if not 0 <= new_length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} tokens to {new_length}")
-        new_quantized = self.cfg.flushed_tokens(new_length)
-        if new_quantized < self.quantized and new_length > new_quantized:
-            # un-flush: tokens [new_quantized, new_length) must come back in full precision, from the shadow
-            G = self.cfg.group_size
-            if not (self.shadow_valid and new_quantized == self.quantized - G):
-                raise InputError(
-                    f"cannot crop the quantized KV cache from {self.length} to {new_length} tokens exactly: that "
-                    f"needs the full-precision values of tokens {new_quantized}..{self.quantized}, and only the "
-                    f"last flushed group is kept" + ("" if self.cfg.crop_shadow else " (kv.crop_shadow=false)"),
-                    "crop at most kv.group_size tokens below the last flush (or rebuild the cache), or raise "
-                    "kv.residual so rollbacks stay in the full-precision window")
-            m = max(0, new_length - self.quantized)  # residual tokens that survive, after the shadow's G
+        cfg, G = self.cfg, self.cfg.group_size
+        new_k, new_v = cfg.flushed_tokens(new_length), cfg.flushed_values(new_length)
+        k_back = new_k < self.quantized and new_length > new_k  # key group to bring back into full precision
+        v_back = self.v_quantized - new_v if new_v < self.v_quantized and new_length > new_v else 0
+        if k_back and not (self.shadow_valid and new_k == self.quantized - G):
+            raise self._cannot_crop(new_length, f"keys of tokens {new_k}..{self.quantized}")
+        if v_back > self.v_shadow_n:
+            raise self._cannot_crop(new_length, f"values of tokens {new_v}..{self.v_quantized}")
+        if k_back:  # the shadow's G tokens, then the residual keys that survive
+            m = max(0, new_length - self.quantized)
             self.k_res[:, :, G:G + m] = self.k_res[:, :, :m].clone()
-            self.v_res[:, :, G:G + m] = self.v_res[:, :, :m].clone()
             self.k_res[:, :, :G] = self.k_shadow
-            self.v_res[:, :, :G] = self.v_shadow
-        if new_quantized < self.quantized:
+        if new_k < self.quantized:
             self.shadow_valid = False  # it held the group just un-flushed or dropped; the one before is not kept
-        if self.cfg.dequant == "cached" and self.is_initialized:
-            self.float_synced = min(self.float_synced, new_quantized)
-            n = new_length - new_quantized
-            self.k_float[:, :, new_quantized:new_length] = self.k_res[:, :, :n]
-            self.v_float[:, :, new_quantized:new_length] = self.v_res[:, :, :n]
-        self.quantized = min(self.quantized, new_quantized)
+        if v_back:  # the last v_back shadow rows are values [new_v, v_quantized): those below new_length come back
+            S, m = cfg.rollback, max(0, new_length - self.v_quantized)
+            back = min(v_back, new_length - new_v)
+            self.v_res[:, :, back:back + m] = self.v_res[:, :, :m].clone()
+            self.v_res[:, :, :back] = self.v_shadow[:, :, S - v_back:S - v_back + back]
+            self.v_shadow[:, :, v_back:] = self.v_shadow[:, :, :S - v_back].clone()
+            self.v_shadow_n -= v_back
+        elif new_v < self.v_quantized:  # cropped below every value the shadow held
+            self.v_shadow_n = 0
+        if cfg.dequant == "cached" and self.is_initialized:
+            self.k_synced, self.v_synced = min(self.k_synced, new_k), min(self.v_synced, new_v)
+            self.k_float[:, :, new_k:new_length] = self.k_res[:, :, :new_length - new_k]
+            self.v_float[:, :, new_v:new_length] = self.v_res[:, :, :new_length - new_v]
+        self.quantized, self.v_quantized = min(self.quantized, new_k), min(self.v_quantized, new_v)
         self.length = new_length
+        self._expire_key_shadow()
 
     def reset(self) -> None:
         self.crop(0)
@@ -229,7 +283,7 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Rows of the batch picked (and repeated) by `beam_idx`, in every per-row buffer: codes, scales, minima,
-        residual, shadow and float copy (beam search's reorder; evaluation's one context, several endings)."""
+        residuals, shadows and float copy (beam search's reorder; evaluation's one context, several endings)."""
         if not self.is_initialized:
             return
         idx = beam_idx.to(self.device)
@@ -242,20 +296,23 @@ class QuantizedKVLayer(CacheLayerMixin):
     # ---- bytes --------------------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes of the state a cache of this length holds: codes and scales/minima of the quantized groups, the
-        full-precision residual tokens, the shadow group (once one was flushed), the float copy if cached."""
+        """Bytes of the state a cache of this length holds: codes and scales/minima of the quantized keys and
+        values, the full-precision tokens, the shadows while they are held, the float copy if cached."""
         if not self.is_initialized:
             return 0
-        T, G = self.quantized, self.cfg.group_size
+        Tk, Tv, G = self.quantized, self.v_quantized, self.cfg.group_size
 
         def rows(t: torch.Tensor, n: int) -> int:
             return t[:, :, :1].numel() * t.element_size() * n
 
-        total = sum(rows(c, T) for c in self.k_codes + self.v_codes)
-        total += rows(self.k_scale, T // G) * 2 + rows(self.v_scale, T) * 2
-        total += rows(self.k_res, self.length - T) * 2
-        if self.cfg.crop_shadow and self.quantized:
-            total += rows(self.k_shadow, G) * 2
+        total = sum(rows(c, Tk) for c in self.k_codes) + sum(rows(c, Tv) for c in self.v_codes)
+        total += rows(self.k_scale, Tk // G) * 2 + rows(self.v_scale, Tv) * 2
+        total += rows(self.k_res, self.length - Tk) + rows(self.v_res, self.length - Tv)
+        if self.cfg.crop_shadow:  # what a cache of this length holds (a crop may have used up part of it)
+            R, S = self.cfg.residual, self.cfg.rollback
+            if Tk and self.length < Tk + R + S:
+                total += rows(self.k_shadow, G)
+            total += rows(self.v_shadow, min(S, Tv))
         if self.cfg.dequant == "cached":
             total += rows(self.k_float, self.length) * 2
         return total
