@@ -9,7 +9,15 @@ from toolkit.engine.kv_cache import ContiguousKVCache
 from toolkit.errors import InputError
 from toolkit.kv import Int4View, KVQuantConfig, QuantizedKVCache, make_kv_cache, quant_config
 from toolkit.kv.memory import model_kv_shape, quantized_kv_bytes
-from toolkit.kv.quantize import dequantize_groups, dequantize_hi, pack, quantize_groups, split_planes, unpack
+from toolkit.kv.quantize import (
+    dequantize_groups,
+    dequantize_hi,
+    pack,
+    quantize_groups,
+    split_planes,
+    unpack,
+    unpack_into,
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +65,9 @@ def test_pack_round_trip(bits):
     packed = pack(codes, bits)
     assert packed.shape[-1] == 64 * bits // 8
     assert torch.equal(unpack(packed, bits), codes)
+    out = torch.full((3, 9, 64), -1.0)[:, 2:7]  # a strided view, as the cache's workspace slices are
+    assert torch.equal(unpack_into(packed, bits, out), codes.float()) and out.data_ptr() == unpack_into(
+        packed, bits, out).data_ptr()
 
 
 def test_hierarchical_int4_reading_is_an_int4_quantization():
@@ -100,7 +111,8 @@ def _feed(cache, k, v, chunks, start=0):
     got = []
     for size in chunks:
         for i in range(len(cache.layers)):
-            got.append(cache.update(k[:, :, start:start + size] * (i + 1), v[:, :, start:start + size], i))
+            keys, values = cache.update(k[:, :, start:start + size] * (i + 1), v[:, :, start:start + size], i)
+            got.append((keys.clone(), values.clone()))  # views of the shared workspace: copy before the next
         start += size
     return got
 
@@ -155,17 +167,21 @@ def test_any_rollback_within_kv_rollback_equals_the_cache_built_fresh(seed):
 
 
 def test_a_crop_deeper_than_kv_rollback_raises_and_changes_nothing():
-    cfg = quant_config({"kind": "int4", "residual": 8, "group_size": 8, "rollback": 3})
+    # G = 64 > the tokens: no key is quantized, so only the values' shadow is tested. At 44 tokens values [0, 32) are
+    # quantized (R = 8, 8 at a time) and the shadow keeps the originals of the last rollback + 7 = 10: [22, 32).
+    cfg = quant_config({"kind": "int4", "residual": 8, "group_size": 64, "rollback": 3})
     gen = torch.Generator().manual_seed(5)
     k, v = torch.randn(1, 2, 64, 16, generator=gen), torch.randn(1, 2, 64, 16, generator=gen)
     cache = QuantizedKVCache(1, 64, cfg)
     _feed(cache, k, v, [44])
     before = [t.clone() for t in _state(cache)]
-    with pytest.raises(InputError, match="values of tokens 32..36"):
-        cache.crop(40)  # keys stay as they are (32 quantized at 40 and 44), but values 32..35 must come back
+    with pytest.raises(InputError, match="values of tokens 16..32"):
+        cache.crop(30)  # a fresh cache of 30 holds 16 values quantized: [16, 32) must come back
     assert cache.length == 44 and all(torch.equal(a, b) for a, b in zip(before, _state(cache)))
-    cache.crop(41)  # 3 tokens: within kv.rollback
-    assert cache.length == 41 and cache.layers[0].v_quantized == 33
+    cache.crop(37)  # [24, 32) comes back from the shadow
+    fresh = QuantizedKVCache(1, 64, cfg)
+    _feed(fresh, k, v, [37])
+    assert cache.layers[0].v_quantized == 24 and all(torch.equal(a, b) for a, b in zip(_state(cache), _state(fresh)))
 
 
 @pytest.mark.parametrize("kind,dequant", [("fp", None), ("int8", "full"), ("int4", "full"), ("int2", "full"),
@@ -256,14 +272,14 @@ def test_memory_formula_equals_the_real_tensor_bytes(llama, kind, group, residua
         real = 0
         for layer in cache.layers:  # the bytes of the tensors' filled parts, read off the tensors themselves
             tk, tv, G = layer.quantized, layer.v_quantized, group
-            assert tv == max(0, cache.length - residual)  # values are quantized per token, keys per group
+            assert tv == max(0, cache.length - residual) // 8 * 8  # values: per token, flushed 8 at a time
             real += sum(c[:, :, :tk].nbytes for c in layer.k_codes) + sum(c[:, :, :tv].nbytes for c in layer.v_codes)
             real += layer.k_scale[:, :, :tk // G].nbytes + layer.k_min[:, :, :tk // G].nbytes
             real += layer.v_scale[:, :, :tv].nbytes + layer.v_min[:, :, :tv].nbytes
             real += layer.k_res[:, :, :cache.length - tk].nbytes + layer.v_res[:, :, :cache.length - tv].nbytes
             if shadow:  # the shadow rows holding originals (every one a crop of `rollback` tokens could need)
                 real += layer.k_shadow.nbytes if layer.shadow_valid else 0
-                real += layer.v_shadow[:, :, rollback - layer.v_shadow_n:].nbytes
+                real += layer.v_shadow[:, :, layer.v_shadow.shape[2] - layer.v_shadow_n:].nbytes
         assert formula == real == cache.nbytes
 
 

@@ -4,13 +4,13 @@ Layout per layer (batch B, kv heads H, head dim D, group G, residual R, rollback
   * keys: the first Tk = cfg.flushed_tokens(length) tokens (a multiple of G) quantized per channel over G tokens:
       codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T/G, 1, D]; the remaining R <= n < R + G tokens in full
       precision (fewer while the cache holds < R + G). Keys need G tokens before a group can be quantized.
-  * values: the first Tv = cfg.flushed_values(length) = length - R tokens quantized per token over Gv = min(G, D)
-      channels: codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T, D/Gv, 1]; exactly the last R tokens in full
-      precision (a token is quantized as soon as it leaves the window, as in KIVI).
+  * values: the first Tv = cfg.flushed_values(length) tokens quantized per token over Gv = min(G, D) channels:
+      codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T, D/Gv, 1]; the last R to R + 7 tokens in full precision
+      (values need no group to fill: they are quantized as they leave the window, as in KIVI, 8 at a time).
     (hierarchical INT8: codes as two packed 4-bit planes, hi and lo; same bytes as INT8.)
   * with crop_shadow, full-precision shadows so that a crop of up to S = cfg.rollback tokens is exact: the last
     flushed key group while a crop that deep could still reach below it (until length >= Tk + R + S), and the
-    originals of the last S flushed value tokens.
+    originals of the last S + 7 flushed value tokens (a crop of S can un-flush one chunk of 8 more).
 
 Why the shadows: the state is a function of the length alone (`flushed_tokens`, `flushed_values`), so cropping
 must un-flush what a cache built fresh at the shorter length holds in full precision: the last key group and the
@@ -31,16 +31,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from toolkit.engine.kv_cache import LayeredKVCache
 from toolkit.errors import InputError
-from toolkit.kv.config import KVQuantConfig
-from toolkit.kv.quantize import (
-    dequantize_groups,
-    dequantize_hi,
-    join_planes,
-    pack,
-    quantize_groups,
-    split_planes,
-    unpack,
-)
+from toolkit.kv.config import VALUE_FLUSH, KVQuantConfig
+from toolkit.kv.quantize import pack, quantize_groups, split_planes, unpack, unpack_into
 
 
 class QuantizedKVLayer(CacheLayerMixin):
@@ -48,9 +40,10 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, max_length: int, cfg: KVQuantConfig):
+    def __init__(self, max_length: int, cfg: KVQuantConfig, workspace: "Workspace | None" = None):
         super().__init__()
         self.cfg = cfg
+        self.workspace = workspace or Workspace()
         self.max_length = max_length
         self.length = 0  # tokens held
         self.quantized = 0  # keys quantized (a multiple of the group size)
@@ -80,10 +73,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.v_scale = torch.empty(B, H, V, D // self.value_group, 1, **f16)
         self.v_min = torch.empty_like(self.v_scale)
         self.k_res = torch.empty(B, H, cfg.residual + G, D, **fp)
-        self.v_res = torch.empty(B, H, cfg.residual, D, **fp)
+        self.v_res = torch.empty(B, H, cfg.residual + VALUE_FLUSH, D, **fp)
         if cfg.crop_shadow:
             self.k_shadow = torch.empty(B, H, G, D, **fp)
-            self.v_shadow = torch.empty(B, H, cfg.rollback, D, **fp)
+            self.v_shadow = torch.empty(B, H, cfg.value_shadow, D, **fp)
         if cfg.dequant == "cached":
             self.k_float = torch.empty(B, H, self.max_length, D, **fp)
             self.v_float = torch.empty_like(self.k_float)
@@ -113,32 +106,44 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.v_min[:, :, start:start + n] = vm
         self._put(vc.view(B, H, n, D), self.v_codes, start)
 
-    def _codes(self, planes: list[torch.Tensor], start: int, end: int, hi_only: bool) -> torch.Tensor:
-        if hi_only:
-            return unpack(planes[0][:, :, start:end], 4)
-        if self.cfg.hierarchical:
-            return join_planes(planes[0][:, :, start:end], planes[1][:, :, start:end])
-        return unpack(planes[0][:, :, start:end], self.cfg.bits)
+    def _dequantize_into(self, out: torch.Tensor, planes: list[torch.Tensor], scale: torch.Tensor,
+                         mn: torch.Tensor, groups: tuple[int, int], group_dim: int, hi_only: bool) -> torch.Tensor:
+        """codes * scale + min written into `out` [B, H, n, D] (fp32 arithmetic, then the cache dtype). The codes are
+        unpacked straight into the output and scaled in place: no uint8 -> float copy, no concatenation after."""
+        work = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
+        start, end = groups
+        if hi_only:  # the INT4 reading of hierarchical codes: the bucket centre 16 * hi + 7.5
+            unpack_into(planes[0][:, :, start:end], 4, work).mul_(16).add_(7.5)
+        elif self.cfg.hierarchical:  # 16 * hi + lo
+            unpack_into(planes[0][:, :, start:end], 4, work).mul_(16).add_(unpack(planes[1][:, :, start:end], 4))
+        else:
+            unpack_into(planes[0][:, :, start:end], self.cfg.bits, work)
+        B, H, n, D = work.shape
+        shaped = work.view(B, H, n // self.cfg.group_size, self.cfg.group_size, D) if group_dim == -2 else \
+            work.view(B, H, n, D // self.value_group, self.value_group)
+        shaped.mul_(scale.float()).add_(mn.float())
+        return out if work is out else out.copy_(work)
 
-    def dequantize_keys(self, start: int = 0, end: int | None = None, hi_only: bool = False) -> torch.Tensor:
-        """Keys [B, H, end-start, D] of the quantized part (a group-aligned range) in the cache dtype; `hi_only`:
-        the INT4 reading of hierarchical codes."""
+    def dequantize_keys(self, start: int = 0, end: int | None = None, hi_only: bool = False,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys [B, H, end-start, D] of the quantized part (a group-aligned range) in the cache dtype, into `out`
+        when given; `hi_only`: the INT4 reading of hierarchical codes."""
         G = self.cfg.group_size
         end = self.quantized if end is None else end
-        kc = self._codes(self.k_codes, start, end, hi_only)
-        B, H, n, D = kc.shape
-        deq = dequantize_hi if hi_only else dequantize_groups
-        return deq(kc.view(B, H, n // G, G, D), self.k_scale[:, :, start // G:end // G],
-                   self.k_min[:, :, start // G:end // G], self.dtype).view(B, H, n, D)
+        if out is None:
+            B, H, _, D = self.k_res.shape
+            out = torch.empty(B, H, end - start, D, dtype=self.dtype, device=self.device)
+        return self._dequantize_into(out, self.k_codes, self.k_scale[:, :, start // G:end // G],
+                                     self.k_min[:, :, start // G:end // G], (start, end), -2, hi_only)
 
-    def dequantize_values(self, start: int = 0, end: int | None = None, hi_only: bool = False) -> torch.Tensor:
+    def dequantize_values(self, start: int = 0, end: int | None = None, hi_only: bool = False,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
         end = self.v_quantized if end is None else end
-        vc = self._codes(self.v_codes, start, end, hi_only)
-        B, H, n, D = vc.shape
-        vg = self.value_group
-        deq = dequantize_hi if hi_only else dequantize_groups
-        return deq(vc.view(B, H, n, D // vg, vg), self.v_scale[:, :, start:end], self.v_min[:, :, start:end],
-                   self.dtype).view(B, H, n, D)
+        if out is None:
+            B, H, _, D = self.k_res.shape
+            out = torch.empty(B, H, end - start, D, dtype=self.dtype, device=self.device)
+        return self._dequantize_into(out, self.v_codes, self.v_scale[:, :, start:end], self.v_min[:, :, start:end],
+                                     (start, end), -1, hi_only)
 
     # ---- the Cache layer interface --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, hi_only: bool = False, **kwargs):
@@ -164,16 +169,23 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.k_float[:, :, end:end + t] = k_new
             self.v_float[:, :, end:end + t] = v_new
             return self.k_float[:, :, :end + t], self.v_float[:, :, :end + t]
-        return (self._joined(self.quantized, self.k_res, k_new, lambda: self.dequantize_keys(hi_only=hi_only)),
-                self._joined(self.v_quantized, self.v_res, v_new, lambda: self.dequantize_values(hi_only=hi_only)))
+        if self.length == 0:
+            return k_new, v_new
+        k_ws, v_ws = self.workspace.get(k_new, self.max_length)
+        keys = self._assemble(k_ws, self.quantized, self.k_res, k_new)
+        values = self._assemble(v_ws, self.v_quantized, self.v_res, v_new)
+        if self.quantized:
+            self.dequantize_keys(hi_only=hi_only, out=k_ws[:, :, :self.quantized])
+        if self.v_quantized:
+            self.dequantize_values(hi_only=hi_only, out=v_ws[:, :, :self.v_quantized])
+        return keys, values
 
-    def _joined(self, quantized: int, res: torch.Tensor, new: torch.Tensor, dequantized) -> torch.Tensor:
-        parts = [new]
-        if self.length > quantized:
-            parts.insert(0, res[:, :, :self.length - quantized])
-        if quantized:
-            parts.insert(0, dequantized())
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+    def _assemble(self, ws: torch.Tensor, quantized: int, res: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """The full-precision tokens and the new ones behind where the quantized part will be dequantized."""
+        end = self.length + new.shape[-2]
+        ws[:, :, quantized:self.length] = res[:, :, :self.length - quantized]
+        ws[:, :, self.length:end] = new
+        return ws[:, :, :end]
 
     def _append(self, k_new, v_new):
         new_length = self.length + k_new.shape[-2]
@@ -197,7 +209,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         else:
             v_all = torch.cat([self.v_res[:, :, :n_res], v_new], dim=-2)
             self._store_values(self.v_quantized, v_all[:, :, :flush])
-            if cfg.crop_shadow and cfg.rollback:
+            if cfg.value_shadow:
                 self._push_value_shadow(v_all[:, :, :flush])
             self.v_res[:, :, :v_all.shape[-2] - flush] = v_all[:, :, flush:]
             self.v_quantized += flush
@@ -206,7 +218,7 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def _push_value_shadow(self, flushed: torch.Tensor) -> None:
         """Keep the originals of the last S flushed values at the end of v_shadow."""
-        S, n = self.cfg.rollback, flushed.shape[-2]
+        S, n = self.cfg.value_shadow, flushed.shape[-2]
         if n >= S:
             self.v_shadow.copy_(flushed[:, :, n - S:])
         else:
@@ -259,7 +271,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if new_k < self.quantized:
             self.shadow_valid = False  # it held the group just un-flushed or dropped; the one before is not kept
         if v_back:  # the last v_back shadow rows are values [new_v, v_quantized): those below new_length come back
-            S, m = cfg.rollback, max(0, new_length - self.v_quantized)
+            S, m = cfg.value_shadow, max(0, new_length - self.v_quantized)
             back = min(v_back, new_length - new_v)
             self.v_res[:, :, back:back + m] = self.v_res[:, :, :m].clone()
             self.v_res[:, :, :back] = self.v_shadow[:, :, S - v_back:S - v_back + back]
@@ -312,10 +324,28 @@ class QuantizedKVLayer(CacheLayerMixin):
             R, S = self.cfg.residual, self.cfg.rollback
             if Tk and self.length < Tk + R + S:
                 total += rows(self.k_shadow, G)
-            total += rows(self.v_shadow, min(S, Tv))
+            total += rows(self.v_shadow, min(self.cfg.value_shadow, Tv))
         if self.cfg.dequant == "cached":
             total += rows(self.k_float, self.length) * 2
         return total
+
+
+class Workspace:
+    """Where attention's float keys/values are assembled (quantized part dequantized, full-precision tokens, new
+    tokens), shared by every layer of a cache: one layer's worth of float keys and values at the longest length,
+    not a float copy of the whole cache. What `update` returns is a view of it, valid until the next `update` of
+    any layer of the same cache (attention consumes it first, as the paged cache's gather does)."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    def get(self, like: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, _, D = like.shape
+        shape = (B, H, max_length, D)
+        if self.keys is None or self.keys.shape != shape or self.keys.dtype != like.dtype:
+            self.keys = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self.values = torch.empty_like(self.keys)
+        return self.keys, self.values
 
 
 class QuantizedKVCache(LayeredKVCache):
@@ -323,7 +353,8 @@ class QuantizedKVCache(LayeredKVCache):
     docstring); the engine's interface: transformers' `Cache` plus `crop`, `length`, `nbytes`."""
 
     def __init__(self, num_layers: int, max_length: int, cfg: KVQuantConfig):
-        super().__init__(layers=[QuantizedKVLayer(max_length, cfg) for _ in range(num_layers)])
+        workspace = Workspace()
+        super().__init__(layers=[QuantizedKVLayer(max_length, cfg, workspace) for _ in range(num_layers)])
         self.max_length = max_length
         self.cfg = cfg
 
