@@ -36,7 +36,6 @@ import json
 import multiprocessing
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 import psutil
