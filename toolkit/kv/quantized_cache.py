@@ -16,13 +16,15 @@ Why the shadows: the state is a function of the length alone (`flushed_tokens`, 
 must un-flush what a cache built fresh at the shorter length holds in full precision: the last key group and the
 last values. Dequantize-requantize cannot give back the original values; the shadows can. They cover a
 speculative rollback: a crop of at most kv.rollback tokens (default 17: a verify pass of the largest default spec
-k_max 16, + 1) and at most what was appended since the last crop. A crop that would need
-originals no longer kept raises instead of silently diverging. Their bytes are counted in `nbytes`; without them
+k_max 16, + 1) and at most what was appended since the last crop. A crop that would need originals no longer kept
+raises instead of silently diverging. Their bytes are counted in `nbytes`; without them
 (`kv.crop_shadow=false`) crops that stay inside the full-precision parts still work and deeper ones raise.
 
 What attention gets: the quantized parts dequantized, then the full-precision tokens and the new ones, i.e. tokens
 are read back quantized only from the step after they were flushed (as KIVI and transformers' QuantizedCache do).
-`dequant="cached"` keeps a dequantized float copy updated only when tokens flush: same values, but it holds a float
+They are assembled in one `Workspace` shared by the cache's layers (codes unpacked straight into floats, scaled in
+place, the full-precision tokens written behind them: no concatenation), so what `update` returns is valid until
+the next `update` of any layer of the cache. `dequant="cached"` keeps a dequantized float copy updated only when tokens flush: same values, but it holds a float
 copy of the whole cache, which defeats the purpose; it exists to measure against.
 """
 
