@@ -24,8 +24,9 @@ What attention gets: the quantized parts dequantized, then the full-precision to
 are read back quantized only from the step after they were flushed (as KIVI and transformers' QuantizedCache do).
 They are assembled in one `Workspace` shared by the cache's layers (codes unpacked straight into floats, scaled in
 place, the full-precision tokens written behind them: no concatenation), so what `update` returns is valid until
-the next `update` of any layer of the cache. `dequant="cached"` keeps a dequantized float copy updated only when tokens flush: same values, but it holds a float
-copy of the whole cache, which defeats the purpose; it exists to measure against.
+the next `update` of any layer of the cache. `dequant="cached"` keeps a dequantized float copy updated only when
+tokens flush: same values, but it holds a float copy of the whole cache, which defeats the purpose; it exists to
+measure against.
 """
 
 import torch
@@ -108,22 +109,20 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.v_min[:, :, start:start + n] = vm
         self._put(vc.view(B, H, n, D), self.v_codes, start)
 
-    def _dequantize_into(self, out: torch.Tensor, planes: list[torch.Tensor], scale: torch.Tensor,
-                         mn: torch.Tensor, groups: tuple[int, int], group_dim: int, hi_only: bool) -> torch.Tensor:
-        """codes * scale + min written into `out` [B, H, n, D] (fp32 arithmetic, then the cache dtype). The codes are
-        unpacked straight into the output and scaled in place: no uint8 -> float copy, no concatenation after."""
+    def _dequantize_into(self, out: torch.Tensor, planes: list[torch.Tensor], scale: torch.Tensor, mn: torch.Tensor,
+                         span: tuple[int, int], grouped: tuple[int, ...], hi_only: bool) -> torch.Tensor:
+        """codes * scale + min written into `out` [B, H, n, D] (fp32 arithmetic, then the cache dtype), the codes of
+        positions `span` viewed as [B, H, *grouped] to meet their scales. The codes are unpacked straight into the
+        output and scaled in place: no uint8 -> float copy, no concatenation after."""
         work = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
-        start, end = groups
+        start, end = span
         if hi_only:  # the INT4 reading of hierarchical codes: the bucket centre 16 * hi + 7.5
             unpack_into(planes[0][:, :, start:end], 4, work).mul_(16).add_(7.5)
         elif self.cfg.hierarchical:  # 16 * hi + lo
             unpack_into(planes[0][:, :, start:end], 4, work).mul_(16).add_(unpack(planes[1][:, :, start:end], 4))
         else:
             unpack_into(planes[0][:, :, start:end], self.cfg.bits, work)
-        B, H, n, D = work.shape
-        shaped = work.view(B, H, n // self.cfg.group_size, self.cfg.group_size, D) if group_dim == -2 else \
-            work.view(B, H, n, D // self.value_group, self.value_group)
-        shaped.mul_(scale.float()).add_(mn.float())
+        work.view(*work.shape[:2], *grouped).mul_(scale.float()).add_(mn.float())
         return out if work is out else out.copy_(work)
 
     def dequantize_keys(self, start: int = 0, end: int | None = None, hi_only: bool = False,
@@ -135,8 +134,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         if out is None:
             B, H, _, D = self.k_res.shape
             out = torch.empty(B, H, end - start, D, dtype=self.dtype, device=self.device)
+        D = out.shape[-1]
         return self._dequantize_into(out, self.k_codes, self.k_scale[:, :, start // G:end // G],
-                                     self.k_min[:, :, start // G:end // G], (start, end), -2, hi_only)
+                                     self.k_min[:, :, start // G:end // G], (start, end), ((end - start) // G, G, D),
+                                     hi_only)
 
     def dequantize_values(self, start: int = 0, end: int | None = None, hi_only: bool = False,
                           out: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,8 +145,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         if out is None:
             B, H, _, D = self.k_res.shape
             out = torch.empty(B, H, end - start, D, dtype=self.dtype, device=self.device)
+        D, vg = out.shape[-1], self.value_group
         return self._dequantize_into(out, self.v_codes, self.v_scale[:, :, start:end], self.v_min[:, :, start:end],
-                                     (start, end), -1, hi_only)
+                                     (start, end), (end - start, D // vg, vg), hi_only)
 
     # ---- the Cache layer interface --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, hi_only: bool = False, **kwargs):
@@ -193,30 +195,34 @@ class QuantizedKVLayer(CacheLayerMixin):
         new_length = self.length + k_new.shape[-2]
         cfg = self.cfg
         # keys: whole groups, once they are R tokens old
-        n_res, flush = self.length - self.quantized, cfg.flushed_tokens(new_length) - self.quantized
-        if flush == 0:
-            self.k_res[:, :, n_res:n_res + k_new.shape[-2]] = k_new
-        else:
-            k_all = torch.cat([self.k_res[:, :, :n_res], k_new], dim=-2)
-            self._store_keys(self.quantized, k_all[:, :, :flush])
+        flushed = self._advance(self.k_res, self.quantized, k_new, cfg.flushed_tokens(new_length))
+        if flushed is not None:
+            self._store_keys(self.quantized, flushed)
             if cfg.crop_shadow:
-                self.k_shadow.copy_(k_all[:, :, flush - cfg.group_size:flush])
+                self.k_shadow.copy_(flushed[:, :, -cfg.group_size:])
                 self.shadow_valid = True
-            self.k_res[:, :, :k_all.shape[-2] - flush] = k_all[:, :, flush:]
-            self.quantized += flush
-        # values: every token, as soon as it leaves the last R
-        n_res, flush = self.length - self.v_quantized, cfg.flushed_values(new_length) - self.v_quantized
-        if flush == 0:
-            self.v_res[:, :, n_res:n_res + v_new.shape[-2]] = v_new
-        else:
-            v_all = torch.cat([self.v_res[:, :, :n_res], v_new], dim=-2)
-            self._store_values(self.v_quantized, v_all[:, :, :flush])
+            self.quantized += flushed.shape[-2]
+        # values: every token once it leaves the last R (VALUE_FLUSH at a time)
+        flushed = self._advance(self.v_res, self.v_quantized, v_new, cfg.flushed_values(new_length))
+        if flushed is not None:
+            self._store_values(self.v_quantized, flushed)
             if cfg.value_shadow:
-                self._push_value_shadow(v_all[:, :, :flush])
-            self.v_res[:, :, :v_all.shape[-2] - flush] = v_all[:, :, flush:]
-            self.v_quantized += flush
+                self._push_value_shadow(flushed)
+            self.v_quantized += flushed.shape[-2]
         self.length = new_length
         self._expire_key_shadow()
+
+    def _advance(self, res: torch.Tensor, quantized: int, new: torch.Tensor, target: int) -> torch.Tensor | None:
+        """Append `new` behind the full-precision tokens `res` holds (those from `quantized` on); when `target`
+        tokens should now be quantized, drop the oldest `target - quantized` from `res` and return them (originals,
+        to be quantized by the caller), else None."""
+        held, flush = self.length - quantized, target - quantized
+        if flush == 0:
+            res[:, :, held:held + new.shape[-2]] = new
+            return None
+        joined = torch.cat([res[:, :, :held], new], dim=-2)
+        res[:, :, :joined.shape[-2] - flush] = joined[:, :, flush:]
+        return joined[:, :, :flush]
 
     def _push_value_shadow(self, flushed: torch.Tensor) -> None:
         """Keep the originals of the last S flushed values at the end of v_shadow."""
