@@ -15,13 +15,14 @@ quality  perplexity over 2048-token windows of austen's evaluation split (BOS fi
 itl      decode inter-token latency at each context: one fp prefill, its keys/values loaded into every cache (the
          state a prefill leaves), then greedy decode steps interleaved across caches (step i of every cache before
          step i+1 of any), median per cache and ratio to fp; greedy agreement with fp over the steps.
+Caches: int8, int4, int2 as configured (conf/kv), and int4-kivi, int2-kivi: the same bits and group as KIVI has them,
+         without the sink token, pre-RoPE keys and value clip (the ablation, in the same run).
 --baselines adds transformers' QuantizedCache (quanto int4/int2, hqq int8/int4/int2, same group and residual,
          library default axes) to quality and itl.
 Model: SmolLM2-135M in fp32 (the KV dtype is the activations'). Timings are only comparable within one run.
 """
 
 import argparse
-import json
 import statistics
 import time
 
@@ -33,6 +34,8 @@ from toolkit.kv.memory import bf16_kv_bytes, quantized_kv_bytes
 
 SMOLLM2 = {"layers": 30, "kv_heads": 3, "head_dim": 64}
 KINDS = ("int8", "int4", "int2")
+# `<kind>-kivi`: the cache as KIVI has it, none of what we add at low bits (sink token, pre-RoPE keys, value clip)
+PLAIN_KIVI = {"sink": 0, "pre_rope": False, "value_clip": False}
 HF_BASELINES = (("quanto", 4), ("quanto", 2), ("hqq", 8), ("hqq", 4), ("hqq", 2))
 
 
@@ -44,7 +47,8 @@ def memory_table() -> list[dict]:
             for residual in (32, 128):
                 for kind in KINDS:
                     for shadow in (True, False):
-                        cfg = {"kind": kind, "group_size": group, "residual": residual, "crop_shadow": shadow}
+                        cfg = {"kind": kind, "group_size": group, "residual": residual, "crop_shadow": shadow,
+                               "pre_rope": False}  # no model here to read the rotation from; bytes are the same
                         formula = quantized_kv_bytes(quant_config(cfg), tokens, batch=1, residual_bytes=2, **SMOLLM2)
                         cache = make_kv_cache(_Shape(), tokens, cfg)
                         cache.update(k, k, 0)  # every layer holds the same shapes: fill one, count it 30 times
@@ -81,8 +85,8 @@ def _caches(model, names: list[str], length: int, group: int, residual: int) -> 
             out[name] = _hf_cache(model, backend, int(bits), group, residual)
         else:
             kind, _, mode = name.partition("-")
-            out[name] = make_kv_cache(model, length, {"kind": kind, "group_size": group, "residual": residual,
-                                                      "dequant": mode or "full"})
+            extra = PLAIN_KIVI if mode == "kivi" else {"dequant": mode or "full"}
+            out[name] = make_kv_cache(model, length, {"kind": kind, "group_size": group, "residual": residual, **extra})
     return out
 
 
@@ -193,7 +197,7 @@ def main() -> None:
         for r in result["memory"]:
             print(f"  {r['tokens']:>5} tok {r['kind']} g{r['group']:<3} r{r['residual']:<3} shadow={r['shadow']!s:5} "
                   f"{r['ratio_to_bf16']:.3f}x  formula==real: {r['formula_bytes'] == r['real_bytes']}", flush=True)
-    names = list(KINDS)
+    names = list(KINDS) + ["int4-kivi", "int2-kivi"]
     if args.baselines:
         names += [f"{b}-int{bits}" for b, bits in HF_BASELINES]
     names = args.kinds or names

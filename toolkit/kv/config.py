@@ -21,6 +21,9 @@ class KVQuantConfig:
     crop_shadow: bool = True  # keep full-precision shadows so a crop of up to `rollback` tokens stays exact
     rollback: int = 17  # the deepest crop kept exact: a verify pass of k + 1 tokens (default spec k_max 16, + 1)
     dequant: str = "full"  # "full": dequantize the quantized part per step; "cached": keep a float copy (no saving)
+    sink: int = 1  # the first tokens (attention sinks, BOS) also kept in full precision once quantized
+    pre_rope: bool = False  # quantize keys un-rotated (toolkit/kv/rope.py); from_node: on at 2 bits
+    value_clip: bool = False  # search each value group's range for the least error (quantize.CLIP_GRID); on at 2 bits
 
     def __post_init__(self):
         if self.bits not in ALLOWED_BITS:
@@ -31,6 +34,8 @@ class KVQuantConfig:
         if self.rollback < 0:
             raise InputError(f"kv.rollback={self.rollback} is negative",
                              "use kv.rollback >= the largest speculative draft length + 1 (default 17)")
+        if self.sink < 0:
+            raise InputError(f"kv.sink={self.sink} is negative", "use kv.sink >= 0 (default 1: the first token)")
         if self.residual < 0:
             raise InputError(f"kv.residual={self.residual} is negative", "use kv.residual >= 0 (default 128)")
         if self.hierarchical and self.bits != 8:
@@ -41,9 +46,12 @@ class KVQuantConfig:
     @classmethod
     def from_node(cls, node) -> "KVQuantConfig":
         get = node.get if hasattr(node, "get") else (lambda k, d=None: d)
-        return cls(bits=int(get("bits", 4)), group_size=int(get("group_size", 32)), residual=int(get("residual", 128)),
+        bits = int(get("bits", 4))
+        low = bits == 2  # at 4 levels the key rotation and the value tails cost most (README: the ablation)
+        return cls(bits=bits, group_size=int(get("group_size", 32)), residual=int(get("residual", 128)),
                    hierarchical=bool(get("hierarchical", False)), crop_shadow=bool(get("crop_shadow", True)),
-                   rollback=int(get("rollback", 17)), dequant=str(get("dequant", "full")))
+                   rollback=int(get("rollback", 17)), dequant=str(get("dequant", "full")), sink=int(get("sink", 1)),
+                   pre_rope=bool(get("pre_rope", low)), value_clip=bool(get("value_clip", low)))
 
     def flushed_values(self, length: int) -> int:
         """Values held quantized when `length` tokens are cached: all but the last `residual`, rounded down to a

@@ -12,6 +12,8 @@ def quantized_kv_bytes(cfg: KVQuantConfig, tokens: int, layers: int, batch: int,
         key scales    (Tk / G) * head_dim * 2 * 2                 (fp16 scale and minimum per channel per group)
         value scales  Tv * (head_dim / min(G, head_dim)) * 2 * 2   (fp16 scale and minimum per token per group)
         full precision ((tokens - Tk) + (tokens - Tv)) * head_dim * residual_bytes
+        sink          min(cfg.sink, Tk) + min(cfg.sink, Tv) tokens, each head_dim * residual_bytes (the first tokens'
+                      originals, once quantized)
         shadows       with cfg.crop_shadow: min(cfg.value_shadow, Tv) value tokens, and the last key group (G tokens) while
                       tokens < Tk + R + S, each head_dim * residual_bytes
     with Tk = cfg.flushed_tokens(tokens), Tv = cfg.flushed_values(tokens), S = cfg.rollback; residual_bytes is the
@@ -22,6 +24,7 @@ def quantized_kv_bytes(cfg: KVQuantConfig, tokens: int, layers: int, batch: int,
     per_head = (tk + tv) * head_dim * cfg.bits // 8
     per_head += (tk // G) * head_dim * 2 * 2 + tv * (head_dim // vg) * 2 * 2
     per_head += (2 * tokens - tk - tv) * head_dim * residual_bytes
+    per_head += (min(cfg.sink, tk) + min(cfg.sink, tv)) * head_dim * residual_bytes
     if cfg.crop_shadow:
         shadow_tokens = min(cfg.value_shadow, tv) + (G if tk and tokens < tk + R + S else 0)
         per_head += shadow_tokens * head_dim * residual_bytes

@@ -11,6 +11,10 @@ Layout per layer (batch B, kv heads H, head dim D, group G, residual R, rollback
   * with crop_shadow, full-precision shadows so that a crop of up to S = cfg.rollback tokens is exact: the last
     flushed key group while a crop that deep could still reach below it (until length >= Tk + R + S), and the
     originals of the last S + 7 flushed value tokens (a crop of S can un-flush one chunk of 8 more).
+  * the first cfg.sink tokens' keys and values (attention sinks: BOS draws attention from every later token, and its
+    key is unlike the rest of its group) also kept in full precision, and read back instead of their codes.
+  * with cfg.pre_rope, keys are quantized un-rotated and rotated back when read (toolkit/kv/rope.py); with
+    cfg.value_clip each value group's range is searched for the least error (toolkit/kv/quantize.py).
 
 Why the shadows: the state is a function of the length alone (`flushed_tokens`, `flushed_values`), so cropping
 must un-flush what a cache built fresh at the shorter length holds in full precision: the last key group and the
@@ -35,7 +39,8 @@ from transformers.cache_utils import CacheLayerMixin
 from toolkit.engine.kv_cache import LayeredKVCache
 from toolkit.errors import InputError
 from toolkit.kv.config import VALUE_FLUSH, KVQuantConfig
-from toolkit.kv.quantize import pack, quantize_groups, split_planes, unpack, unpack_into
+from toolkit.kv.quantize import CLIP_GRID, pack, quantize_groups, split_planes, unpack, unpack_into
+from toolkit.kv.rope import RotaryTable, rope_frequencies, rotary_tables
 
 
 class QuantizedKVLayer(CacheLayerMixin):
@@ -43,9 +48,14 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, max_length: int, cfg: KVQuantConfig, workspace: "Workspace | None" = None):
+    def __init__(self, max_length: int, cfg: KVQuantConfig, workspace: "Workspace | None" = None,
+                 rope: RotaryTable | None = None):
         super().__init__()
+        if cfg.pre_rope and rope is None:
+            raise InputError("kv.pre_rope=true needs the model's rotary frequencies",
+                             "build the cache with QuantizedKVCache.for_model, or set kv.pre_rope=false")
         self.cfg = cfg
+        self.rope = rope
         self.workspace = workspace or Workspace()
         self.max_length = max_length
         self.length = 0  # tokens held
@@ -77,6 +87,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.v_min = torch.empty_like(self.v_scale)
         self.k_res = torch.empty(B, H, cfg.residual + G, D, **fp)
         self.v_res = torch.empty(B, H, cfg.residual + VALUE_FLUSH, D, **fp)
+        if cfg.sink:
+            self.k_sink = torch.empty(B, H, cfg.sink, D, **fp)
+            self.v_sink = torch.empty_like(self.k_sink)
         if cfg.crop_shadow:
             self.k_shadow = torch.empty(B, H, G, D, **fp)
             self.v_shadow = torch.empty(B, H, cfg.value_shadow, D, **fp)
@@ -95,6 +108,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Quantize whole key groups k [B, H, n*G, D] into positions start.. of the quantized keys."""
         G = self.cfg.group_size
         B, H, n, D = k.shape
+        if self.cfg.pre_rope:
+            k = self.rope.rotate_(k.to(torch.float32, copy=True), start, inverse=True)
         kc, ks, km = quantize_groups(k.view(B, H, n // G, G, D), self.cfg.bits, dim=-2)
         self.k_scale[:, :, start // G:(start + n) // G] = ks
         self.k_min[:, :, start // G:(start + n) // G] = km
@@ -104,16 +119,19 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Quantize value tokens v [B, H, n, D] (each on its own) into positions start.. of the quantized values."""
         B, H, n, D = v.shape
         vg = self.value_group
-        vc, vs, vm = quantize_groups(v.view(B, H, n, D // vg, vg), self.cfg.bits, dim=-1)
+        vc, vs, vm = quantize_groups(v.view(B, H, n, D // vg, vg), self.cfg.bits, dim=-1,
+                                     clip_grid=CLIP_GRID if self.cfg.value_clip else None)
         self.v_scale[:, :, start:start + n] = vs
         self.v_min[:, :, start:start + n] = vm
         self._put(vc.view(B, H, n, D), self.v_codes, start)
 
     def _dequantize_into(self, out: torch.Tensor, planes: list[torch.Tensor], scale: torch.Tensor, mn: torch.Tensor,
-                         span: tuple[int, int], grouped: tuple[int, ...], hi_only: bool) -> torch.Tensor:
+                         span: tuple[int, int], grouped: tuple[int, ...], hi_only: bool,
+                         sink: torch.Tensor | None, rotate: bool = False) -> torch.Tensor:
         """codes * scale + min written into `out` [B, H, n, D] (fp32 arithmetic, then the cache dtype), the codes of
-        positions `span` viewed as [B, H, *grouped] to meet their scales. The codes are unpacked straight into the
-        output and scaled in place: no uint8 -> float copy, no concatenation after."""
+        positions `span` viewed as [B, H, *grouped] to meet their scales; rotated back (pre-RoPE keys) and the sink
+        tokens in the span replaced by their originals. The codes are unpacked straight into the output and scaled
+        in place: no uint8 -> float copy, no concatenation after."""
         work = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
         start, end = span
         if hi_only:  # the INT4 reading of hierarchical codes: the bucket centre 16 * hi + 7.5
@@ -123,7 +141,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         else:
             unpack_into(planes[0][:, :, start:end], self.cfg.bits, work)
         work.view(*work.shape[:2], *grouped).mul_(scale.float()).add_(mn.float())
-        return out if work is out else out.copy_(work)
+        if rotate:
+            self.rope.rotate_(work, start)
+        out = out if work is out else out.copy_(work)
+        if sink is not None and start < self.cfg.sink:
+            n = min(self.cfg.sink, end) - start
+            out[:, :, :n] = sink[:, :, start:start + n]
+        return out
 
     def dequantize_keys(self, start: int = 0, end: int | None = None, hi_only: bool = False,
                         out: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,7 +161,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         D = out.shape[-1]
         return self._dequantize_into(out, self.k_codes, self.k_scale[:, :, start // G:end // G],
                                      self.k_min[:, :, start // G:end // G], (start, end), ((end - start) // G, G, D),
-                                     hi_only)
+                                     hi_only, getattr(self, "k_sink", None), rotate=self.cfg.pre_rope)
 
     def dequantize_values(self, start: int = 0, end: int | None = None, hi_only: bool = False,
                           out: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,7 +171,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             out = torch.empty(B, H, end - start, D, dtype=self.dtype, device=self.device)
         D, vg = out.shape[-1], self.value_group
         return self._dequantize_into(out, self.v_codes, self.v_scale[:, :, start:end], self.v_min[:, :, start:end],
-                                     (start, end), (end - start, D // vg, vg), hi_only)
+                                     (start, end), (end - start, D // vg, vg), hi_only, getattr(self, "v_sink", None))
 
     # ---- the Cache layer interface --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, hi_only: bool = False, **kwargs):
@@ -194,6 +218,10 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _append(self, k_new, v_new):
         new_length = self.length + k_new.shape[-2]
         cfg = self.cfg
+        if self.length < cfg.sink:  # the first tokens' originals, read back once they are quantized
+            n = min(cfg.sink, new_length) - self.length
+            self.k_sink[:, :, self.length:self.length + n] = k_new[:, :, :n]
+            self.v_sink[:, :, self.length:self.length + n] = v_new[:, :, :n]
         # keys: whole groups, once they are R tokens old
         flushed = self._advance(self.k_res, self.quantized, k_new, cfg.flushed_tokens(new_length))
         if flushed is not None:
@@ -298,8 +326,8 @@ class QuantizedKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.crop(0)
 
-    _BATCHED = ("k_scale", "k_min", "v_scale", "v_min", "k_res", "v_res", "k_shadow", "v_shadow", "k_float",
-                "v_float")
+    _BATCHED = ("k_scale", "k_min", "v_scale", "v_min", "k_res", "v_res", "k_shadow", "v_shadow", "k_sink", "v_sink",
+                "k_float", "v_float")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Rows of the batch picked (and repeated) by `beam_idx`, in every per-row buffer: codes, scales, minima,
@@ -317,7 +345,8 @@ class QuantizedKVLayer(CacheLayerMixin):
     @property
     def nbytes(self) -> int:
         """Bytes of the state a cache of this length holds: codes and scales/minima of the quantized keys and
-        values, the full-precision tokens, the shadows while they are held, the float copy if cached."""
+        values, the full-precision tokens, the shadows while they are held, the sink tokens' originals once they
+        are quantized, the float copy if cached (not the rotary table of pre_rope: one per model, not per sequence)."""
         if not self.is_initialized:
             return 0
         Tk, Tv, G = self.quantized, self.v_quantized, self.cfg.group_size
@@ -328,6 +357,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         total = sum(rows(c, Tk) for c in self.k_codes) + sum(rows(c, Tv) for c in self.v_codes)
         total += rows(self.k_scale, Tk // G) * 2 + rows(self.v_scale, Tv) * 2
         total += rows(self.k_res, self.length - Tk) + rows(self.v_res, self.length - Tv)
+        if self.cfg.sink:
+            total += rows(self.k_sink, min(self.cfg.sink, Tk)) + rows(self.v_sink, min(self.cfg.sink, Tv))
         if self.cfg.crop_shadow:  # what a cache of this length holds (a crop may have used up part of it)
             R, S = self.cfg.residual, self.cfg.rollback
             if Tk and self.length < Tk + R + S:
@@ -360,13 +391,15 @@ class QuantizedKVCache(LayeredKVCache):
     """A quantized KV cache for `num_layers` layers and up to `max_length` tokens per sequence (see the module
     docstring); the engine's interface: transformers' `Cache` plus `crop`, `length`, `nbytes`."""
 
-    def __init__(self, num_layers: int, max_length: int, cfg: KVQuantConfig):
+    def __init__(self, num_layers: int, max_length: int, cfg: KVQuantConfig, rope: list[RotaryTable] | None = None):
         workspace = Workspace()
-        super().__init__(layers=[QuantizedKVLayer(max_length, cfg, workspace) for _ in range(num_layers)])
+        rope = rope or [None] * num_layers
+        super().__init__(layers=[QuantizedKVLayer(max_length, cfg, workspace, rope[i]) for i in range(num_layers)])
         self.max_length = max_length
         self.cfg = cfg
 
     @classmethod
     def for_model(cls, model, max_length: int, cfg: KVQuantConfig) -> "QuantizedKVCache":
-        config = model.config.get_text_config(decoder=True)
-        return cls(config.num_hidden_layers, max_length, cfg)
+        n = model.config.get_text_config(decoder=True).num_hidden_layers
+        rope = rotary_tables(rope_frequencies(model, n), max_length, cfg.group_size) if cfg.pre_rope else None
+        return cls(n, max_length, cfg, rope)

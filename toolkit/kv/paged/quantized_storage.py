@@ -33,6 +33,8 @@ Sealing is deferred: `seal_block` marks the block and the next read or write qua
 for and reads the rest from staging, with one index_select per tensor (no loop over tokens or blocks).
 """
 
+import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 
@@ -44,7 +46,9 @@ from toolkit.kv import kv_kind, quant_config
 from toolkit.kv.memory import model_kv_shape
 from toolkit.kv.paged.pool import OutOfBlocks
 from toolkit.kv.paged.storage import FPBlockStorage
-from toolkit.kv.quantize import ALLOWED_BITS, STORE_DTYPE, dequantize_groups, pack, quantize_groups, unpack
+from toolkit.kv.quantize import ALLOWED_BITS, CLIP_GRID, STORE_DTYPE, dequantize_groups, pack, quantize_groups, unpack
+
+log = logging.getLogger(__name__)
 
 _NO_SLOT = -1
 
@@ -57,7 +61,7 @@ class QuantizedBlockStorage:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device="cpu", *, bits: int, residual_tokens: int, staging_slots: int,
-                 value_group: int = 32):
+                 value_group: int = 32, value_clip: bool = False):
         if bits not in ALLOWED_BITS:
             raise InputError(f"kv.bits={bits} is not supported", f"use kv.bits one of {ALLOWED_BITS}")
         vg = min(value_group, head_dim)
@@ -72,6 +76,7 @@ class QuantizedBlockStorage:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         self.bits, self.residual_tokens, self.value_group, self.staging_slots = bits, residual_tokens, vg, staging_slots
+        self.clip_grid = CLIP_GRID if value_clip else None
         H, D, NB = kv_heads, head_dim, num_blocks * block_size
         u8, f16 = dict(dtype=torch.uint8, device=device), dict(dtype=STORE_DTYPE, device=device)
         # zeroed, not empty: gathered padding columns are masked but still enter attention's matmul (storage.py)
@@ -284,7 +289,7 @@ class QuantizedBlockStorage:
             self.k_scale[layer].index_copy_(1, block_t, scale.view(H, n, D))
             self.k_min[layer].index_copy_(1, block_t, mn.view(H, n, D))
             v = self.v_stage[layer].index_select(1, stage_rows).view(H, n * B, D // vg, vg)
-            codes, scale, mn = quantize_groups(v, self.bits, dim=-1)  # per token over channel groups
+            codes, scale, mn = quantize_groups(v, self.bits, dim=-1, clip_grid=self.clip_grid)  # per token
             self.v_codes[layer].index_copy_(1, dest_rows, pack(codes.view(H, n * B, D), self.bits))
             self.v_scale[layer].index_copy_(1, dest_rows, scale.view(H, n * B, D // vg))
             self.v_min[layer].index_copy_(1, dest_rows, mn.view(H, n * B, D // vg))
@@ -375,6 +380,12 @@ def _quant_cfg(kv_cfg):
                          "use kv.hierarchical=false with paged serving")
     if cfg.dequant != "full":
         raise InputError(f"kv.dequant={cfg.dequant!r} is not supported by the paged cache", "use kv.dequant=full")
+    if cfg.sink or cfg.pre_rope:  # defaults (sink 1; pre_rope at 2 bits), so a log line rather than a refusal
+        level = logging.WARNING if cfg.pre_rope else logging.INFO  # at 2 bits the missing pre-RoPE costs quality
+        log.log(level, "the paged cache keeps no sink tokens and quantizes keys after RoPE: kv.sink=%d and "
+                "kv.pre_rope=%s apply to the engine's contiguous cache only (README, 'Quantized KV cache')",
+                cfg.sink, cfg.pre_rope)
+        cfg = dataclasses.replace(cfg, sink=0, pre_rope=False)
     return cfg
 
 
@@ -394,7 +405,7 @@ def paged_storage_for(model, kv_cfg, num_blocks: int, block_size: int = 16, stag
         staging_slots = min(num_blocks, staging_slots_for(block_size, cfg.residual, max_sequences, step_tokens,
                                                           prefill_tokens))
     return QuantizedBlockStorage(*dims, bits=cfg.bits, residual_tokens=cfg.residual, staging_slots=staging_slots,
-                                 value_group=cfg.group_size)
+                                 value_group=cfg.group_size, value_clip=cfg.value_clip)
 
 
 def paged_cache_for(model, kv_cfg, num_blocks: int, block_size: int = 16, prefix_cache: bool = True,
