@@ -15,8 +15,8 @@ quality  perplexity over 2048-token windows of austen's evaluation split (BOS fi
 itl      decode inter-token latency at each context: one fp prefill, its keys/values loaded into every cache (the
          state a prefill leaves), then greedy decode steps interleaved across caches (step i of every cache before
          step i+1 of any), median per cache and ratio to fp; greedy agreement with fp over the steps.
-Caches: int8, int4, int2 as configured (conf/kv), and int4-kivi, int2-kivi: the same bits and group as KIVI has them,
-         without the sink token, pre-RoPE keys and value clip (the ablation, in the same run).
+Caches: int8, int4, int2 with the defaults of conf/kv (kv.rollback 1: no speculation here), and int4-base, int2-base:
+         the same caches without the sink token, pre-RoPE keys and value clip (the ablation, in the same run).
 --baselines adds transformers' QuantizedCache (quanto int4/int2, hqq int8/int4/int2, same group and residual,
          library default axes) to quality and itl.
 Model: SmolLM2-135M in fp32 (the KV dtype is the activations'). Timings are only comparable within one run.
@@ -34,8 +34,8 @@ from toolkit.kv.memory import bf16_kv_bytes, quantized_kv_bytes
 
 SMOLLM2 = {"layers": 30, "kv_heads": 3, "head_dim": 64}
 KINDS = ("int8", "int4", "int2")
-# `<kind>-kivi`: the cache as KIVI has it, none of what we add at low bits (sink token, pre-RoPE keys, value clip)
-PLAIN_KIVI = {"sink": 0, "pre_rope": False, "value_clip": False}
+# `<kind>-base`: the same cache without what we add at low bits (sink token, pre-RoPE keys, value clip)
+WITHOUT_ADDITIONS = {"sink": 0, "pre_rope": False, "value_clip": False}
 HF_BASELINES = (("quanto", 4), ("quanto", 2), ("hqq", 8), ("hqq", 4), ("hqq", 2))
 
 
@@ -85,7 +85,7 @@ def _caches(model, names: list[str], length: int, group: int, residual: int) -> 
             out[name] = _hf_cache(model, backend, int(bits), group, residual)
         else:
             kind, _, mode = name.partition("-")
-            extra = PLAIN_KIVI if mode == "kivi" else {"dequant": mode or "full"}
+            extra = WITHOUT_ADDITIONS if mode == "base" else {"dequant": mode or "full"}
             out[name] = make_kv_cache(model, length, {"kind": kind, "group_size": group, "residual": residual, **extra})
     return out
 
@@ -197,7 +197,7 @@ def main() -> None:
         for r in result["memory"]:
             print(f"  {r['tokens']:>5} tok {r['kind']} g{r['group']:<3} r{r['residual']:<3} shadow={r['shadow']!s:5} "
                   f"{r['ratio_to_bf16']:.3f}x  formula==real: {r['formula_bytes'] == r['real_bytes']}", flush=True)
-    names = list(KINDS) + ["int4-kivi", "int2-kivi"]
+    names = list(KINDS) + ["int4-base", "int2-base"]
     if args.baselines:
         names += [f"{b}-int{bits}" for b, bits in HF_BASELINES]
     names = args.kinds or names

@@ -6,9 +6,9 @@ from toolkit.errors import InputError
 from toolkit.kv.quantize import ALLOWED_BITS
 
 DEQUANT_MODES = ("full", "cached")
-# Values are quantized per token, but flushed this many at a time: quantizing one token per layer per decode step
-# costs ~30 small ops (~0.2 ms a layer on this CPU), an eighth of that in chunks of 8, at most 7 more tokens in
-# full precision.
+# Tokens leave the full-precision window this many at a time (values quantized per token, keys staged per token):
+# quantizing one token per layer per decode step costs ~30 small ops (~0.2 ms a layer on this CPU), an eighth of that
+# in chunks of 8, at most 7 more tokens in full precision.
 VALUE_FLUSH = 8
 
 
@@ -19,7 +19,7 @@ class KVQuantConfig:
     residual: int = 128  # the most recent tokens kept in full precision (KIVI's R)
     hierarchical: bool = False  # INT8 stored as two INT4 planes; the high plane is a valid INT4 cache
     crop_shadow: bool = True  # keep full-precision shadows so a crop of up to `rollback` tokens stays exact
-    rollback: int = 17  # the deepest crop kept exact: a verify pass of k + 1 tokens (default spec k_max 16, + 1)
+    rollback: int = 1  # the deepest crop kept exact: one decode step; speculative decoding raises it to k + 1
     dequant: str = "full"  # "full": dequantize the quantized part per step; "cached": keep a float copy (no saving)
     sink: int = 1  # the first tokens (attention sinks, BOS) also kept in full precision once quantized
     pre_rope: bool = False  # quantize keys un-rotated (toolkit/kv/rope.py); from_node: on at 2 bits
@@ -33,7 +33,7 @@ class KVQuantConfig:
                              "use kv.group_size=32, 64 or 128")
         if self.rollback < 0:
             raise InputError(f"kv.rollback={self.rollback} is negative",
-                             "use kv.rollback >= the largest speculative draft length + 1 (default 17)")
+                             "use kv.rollback >= 0 (default 1; speculative decoding sets k + 1 itself)")
         if self.sink < 0:
             raise InputError(f"kv.sink={self.sink} is negative", "use kv.sink >= 0 (default 1: the first token)")
         if self.residual < 0:
@@ -50,7 +50,7 @@ class KVQuantConfig:
         low = bits == 2  # at 4 levels the key rotation and the value tails cost most (README: the ablation)
         return cls(bits=bits, group_size=int(get("group_size", 32)), residual=int(get("residual", 128)),
                    hierarchical=bool(get("hierarchical", False)), crop_shadow=bool(get("crop_shadow", True)),
-                   rollback=int(get("rollback", 17)), dequant=str(get("dequant", "full")), sink=int(get("sink", 1)),
+                   rollback=int(get("rollback", 1)), dequant=str(get("dequant", "full")), sink=int(get("sink", 1)),
                    pre_rope=bool(get("pre_rope", low)), value_clip=bool(get("value_clip", low)))
 
     def flushed_values(self, length: int) -> int:
@@ -60,24 +60,36 @@ class KVQuantConfig:
 
     @property
     def value_shadow(self) -> int:
-        """Flushed values whose originals are kept: a crop of `rollback` tokens can un-flush VALUE_FLUSH - 1 more."""
+        """Flushed tokens whose original keys and values are kept: a crop of `rollback` tokens can un-flush
+        VALUE_FLUSH - 1 more."""
         return self.rollback + VALUE_FLUSH - 1 if self.crop_shadow and self.rollback else 0
 
     def flushed_tokens(self, length: int) -> int:
-        """Keys held quantized when `length` are cached: the largest whole number of groups leaving at least
-        `residual` tokens in full precision. A function of the length alone, so the state never depends on how
+        """Keys held in groups when `length` are cached: the largest whole number of groups leaving at least
+        `residual` tokens out (the rest of the flushed keys are staged per token). A function of the length alone, so the state never depends on how
         the tokens were chunked (prefill, decode, speculative verify): what makes crop-then-append exact."""
         if length <= self.residual:
             return 0
         return (length - self.residual) // self.group_size * self.group_size
 
 
-def check_rollback(cfg: KVQuantConfig, depth: int, what: str) -> None:
-    """Refuse, before anything runs, a quantized cache that could not crop `depth` tokens exactly (a speculative
-    loop appends k + 1 tokens per verify pass and rolls back up to all of them)."""
-    if cfg.crop_shadow and cfg.rollback < depth:
-        raise InputError(f"kv.rollback={cfg.rollback} is shorter than the {depth}-token rollbacks {what} makes",
-                         f"set kv.rollback>={depth}")
-    if not cfg.crop_shadow and cfg.residual < depth:
-        raise InputError(f"kv.crop_shadow=false with kv.residual={cfg.residual}: {what} rolls back up to {depth} "
-                         "tokens, past the full-precision window", f"set kv.crop_shadow=true or kv.residual>={depth}")
+def with_rollback(kv_cfg, depth: int, what: str):
+    """`kv_cfg` (a kv config node or kind) for a cache that `what` will crop by up to `depth` tokens at a time (a
+    speculative loop appends k + 1 tokens per verify pass and may roll all of them back): its kv.rollback raised to
+    `depth` where shorter, so the shadows are sized for it. Refuses, before anything runs, a cache kept without
+    shadows (kv.crop_shadow=false) whose full-precision window is shallower than that."""
+    from toolkit.kv import kv_kind, quant_config
+
+    if kv_kind(kv_cfg) == "fp":
+        return kv_cfg
+    cfg = quant_config(kv_cfg)
+    if not cfg.crop_shadow:
+        if cfg.residual < depth:
+            raise InputError(f"kv.crop_shadow=false with kv.residual={cfg.residual}: {what} rolls back up to {depth} "
+                             "tokens, past the full-precision window",
+                             f"set kv.crop_shadow=true or kv.residual>={depth}")
+        return kv_cfg
+    if cfg.rollback >= depth:
+        return kv_cfg
+    node = {"kind": kv_cfg} if isinstance(kv_cfg, str) else dict(kv_cfg)
+    return {**node, "rollback": depth}

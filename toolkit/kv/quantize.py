@@ -46,17 +46,17 @@ def quantize_groups(x: torch.Tensor, bits: int, dim: int,
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     if not clip_grid:
         return _codes(x, bits, lo, hi)
+    # every candidate at once along a new leading dim (a flush quantizes a few tokens: op count, not size, is the cost)
+    factor = torch.tensor(clip_grid, dtype=x.dtype, device=x.device).view(-1, *([1] * x.dim()))
     centre, half = (lo + hi) / 2, (hi - lo) / 2
-    best = None
-    for factor in clip_grid:
-        codes, scale, mn = _codes(x, bits, centre - factor * half, centre + factor * half)
-        err = (torch.addcmul(mn.float(), codes.float(), scale.float()) - x).square_().sum(dim, keepdim=True)
-        if best is None:
-            best = [err, codes, scale, mn]
-            continue
-        better = err < best[0]
-        best = [torch.where(better, new, old) for new, old in zip((err, codes, scale, mn), best)]
-    return best[1], best[2], best[3]
+    codes, scale, mn = _codes(x, bits, centre - factor * half, centre + factor * half)
+    err = (torch.addcmul(mn.float(), codes.float(), scale.float()) - x).square_().sum(dim, keepdim=True)
+    best = err.argmin(0, keepdim=True)  # the first of equals: min/max (factor 1.0) wins a tie
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.gather(0, best.expand(1, *t.shape[1:])).squeeze(0)
+
+    return pick(codes), pick(scale), pick(mn)
 
 
 def _codes(x: torch.Tensor, bits: int, lo: torch.Tensor, hi: torch.Tensor):

@@ -1,36 +1,40 @@
 """A KIVI-style quantized KV cache that transformers' attention writes into, croppable exactly.
 
-Layout per layer (batch B, kv heads H, head dim D, group G, residual R, rollback S):
-  * keys: the first Tk = cfg.flushed_tokens(length) tokens (a multiple of G) quantized per channel over G tokens:
-      codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T/G, 1, D]; the remaining R <= n < R + G tokens in full
-      precision (fewer while the cache holds < R + G). Keys need G tokens before a group can be quantized.
-  * values: the first Tv = cfg.flushed_values(length) tokens quantized per token over Gv = min(G, D) channels:
-      codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T, D/Gv, 1]; the last R to R + 7 tokens in full precision
-      (values need no group to fill: they are quantized as they leave the window, as in KIVI, 8 at a time).
-    (hierarchical INT8: codes as two packed 4-bit planes, hi and lo; same bytes as INT8.)
-  * with crop_shadow, full-precision shadows so that a crop of up to S = cfg.rollback tokens is exact: the last
-    flushed key group while a crop that deep could still reach below it (until length >= Tk + R + S), and the
-    originals of the last S + 7 flushed value tokens (a crop of S can un-flush one chunk of 8 more).
+Layout per layer (batch B, kv heads H, head dim D, group G, residual R, rollback S, Gv = min(G, D)):
+  * keys and values leave the full-precision window together: the first Tv = cfg.flushed_values(length) tokens
+    are quantized (all but the last R, VALUE_FLUSH = 8 at a time: quantizing one token per layer per step costs
+    ~30 small ops); the last R to R + 7 tokens stay in full precision.
+  * values: per token over Gv channels, codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T, D/Gv, 1], as in KIVI.
+  * keys: per channel over G tokens, which must all have arrived before their group can be quantized. Until then
+    (Tk = cfg.flushed_tokens(length) <= position < Tv, fewer than G tokens) a key is staged as INT8 per token over
+    Gv channels in a ring of 2G slots (k8_*); a group is made of its staged keys once the last of them is staged:
+    codes [B, H, T, D*bits/8] + fp16 scale/min [B, H, T/G, 1, D]. Staging is what keeps an INT4 cache at g128 r32
+    under 0.30x a bf16 cache at 2048 tokens: in full precision the waiting keys cost 3% of it.
+    (hierarchical INT8: group codes as two packed 4-bit planes, hi and lo; same bytes as INT8.)
   * the first cfg.sink tokens' keys and values (attention sinks: BOS draws attention from every later token, and its
     key is unlike the rest of its group) also kept in full precision, and read back instead of their codes.
-  * with cfg.pre_rope, keys are quantized un-rotated and rotated back when read (toolkit/kv/rope.py); with
-    cfg.value_clip each value group's range is searched for the least error (toolkit/kv/quantize.py).
+  * with cfg.pre_rope, keys are quantized into groups un-rotated and rotated back when read (toolkit/kv/rope.py);
+    with cfg.value_clip each value's range is searched for the least error (toolkit/kv/quantize.py).
+  * with crop_shadow, what a crop of up to S = cfg.rollback tokens needs: the originals of the last S + 7 keys and
+    values that left the window (a crop of S can un-flush one chunk of 8 more), and the ring's staged codes of the
+    last group while a crop that deep could still reach below it (until length >= Tk + R + S).
 
-Why the shadows: the state is a function of the length alone (`flushed_tokens`, `flushed_values`), so cropping
-must un-flush what a cache built fresh at the shorter length holds in full precision: the last key group and the
-last values. Dequantize-requantize cannot give back the original values; the shadows can. They cover a
-speculative rollback: a crop of at most kv.rollback tokens (default 17: a verify pass of the largest default spec
-k_max 16, + 1) and at most what was appended since the last crop. A crop that would need originals no longer kept
-raises instead of silently diverging. Their bytes are counted in `nbytes`; without them
-(`kv.crop_shadow=false`) crops that stay inside the full-precision parts still work and deeper ones raise.
+Why: the state is a function of the length alone (`flushed_tokens`, `flushed_values`), never of how the tokens came
+(prefill, decode, speculative verify), so a crop must leave what a cache built fresh at the shorter length holds:
+the un-flushed tokens' originals back in full precision (dequantize-requantize cannot give them back; the shadows
+can) and the un-flushed group's keys back in staging (the ring still holds their INT8 codes, and a fresh cache makes
+its groups from staged keys too). kv.rollback defaults to 1 (a decode step can be redone); speculative decoding
+raises it to k + 1 on the caches it makes (`config.with_rollback`). A crop that would need what is no longer kept
+raises instead of silently diverging. All of it is counted in `nbytes`; without shadows (`kv.crop_shadow=false`)
+crops that stay inside the full-precision window still work and deeper ones raise.
 
-What attention gets: the quantized parts dequantized, then the full-precision tokens and the new ones, i.e. tokens
-are read back quantized only from the step after they were flushed (as KIVI and transformers' QuantizedCache do).
-They are assembled in one `Workspace` shared by the cache's layers (codes unpacked straight into floats, scaled in
-place, the full-precision tokens written behind them: no concatenation), so what `update` returns is valid until
-the next `update` of any layer of the cache. `dequant="cached"` keeps a dequantized float copy updated only when
-tokens flush: same values, but it holds a float copy of the whole cache, which defeats the purpose; it exists to
-measure against.
+What attention gets: the groups, staged keys and quantized values dequantized, then the full-precision tokens and
+the new ones, i.e. tokens are read back quantized only from the step after they were flushed (as KIVI and
+transformers' QuantizedCache do). They are assembled in one `Workspace` shared by the cache's layers (codes unpacked
+straight into floats, scaled in place, the full-precision tokens written behind them: no concatenation), so what
+`update` returns is valid until the next `update` of any layer of the cache. `dequant="cached"` keeps a dequantized
+float copy updated only when tokens flush: same values, but it holds a float copy of the whole cache, which defeats
+the purpose; it exists to measure against.
 """
 
 import torch
@@ -39,7 +43,7 @@ from transformers.cache_utils import CacheLayerMixin
 from toolkit.engine.kv_cache import LayeredKVCache
 from toolkit.errors import InputError
 from toolkit.kv.config import VALUE_FLUSH, KVQuantConfig
-from toolkit.kv.quantize import CLIP_GRID, pack, quantize_groups, split_planes, unpack, unpack_into
+from toolkit.kv.quantize import CLIP_GRID, dequantize_groups, pack, quantize_groups, split_planes, unpack, unpack_into
 from toolkit.kv.rope import RotaryTable, rope_frequencies, rotary_tables
 
 
@@ -59,10 +63,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.workspace = workspace or Workspace()
         self.max_length = max_length
         self.length = 0  # tokens held
-        self.quantized = 0  # keys quantized (a multiple of the group size)
-        self.v_quantized = 0  # values quantized (length - residual once the cache is longer than that)
-        self.shadow_valid = False  # k_shadow holds the originals of key group [quantized - G, quantized)
-        self.v_shadow_n = 0  # v_shadow's last v_shadow_n rows hold the originals of values [v_quantized - n, ..)
+        self.quantized = 0  # keys in groups (a multiple of the group size): Tk
+        self.v_quantized = 0  # values quantized, and keys quantized at all (groups + staging): Tv
+        self.shadow_n = 0  # the shadows' last shadow_n rows hold the originals of keys/values [Tv - n, Tv)
+        self.ring_floor = 0  # the ring holds the INT8 codes of every key in [ring_floor, Tv)
 
     # ---- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -85,14 +89,18 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.k_min = torch.empty_like(self.k_scale)
         self.v_scale = torch.empty(B, H, V, D // self.value_group, 1, **f16)
         self.v_min = torch.empty_like(self.v_scale)
-        self.k_res = torch.empty(B, H, cfg.residual + G, D, **fp)
-        self.v_res = torch.empty(B, H, cfg.residual + VALUE_FLUSH, D, **fp)
+        # staged keys, INT8 per token, at ring slot position % 2G: [Tk, Tv) (< G tokens) and the group flushed last
+        self.k8_codes = torch.empty(B, H, 2 * G, D, **u8)
+        self.k8_scale = torch.empty(B, H, 2 * G, D // self.value_group, 1, **f16)
+        self.k8_min = torch.empty_like(self.k8_scale)
+        self.k_res = torch.empty(B, H, cfg.residual + VALUE_FLUSH, D, **fp)
+        self.v_res = torch.empty_like(self.k_res)
         if cfg.sink:
             self.k_sink = torch.empty(B, H, cfg.sink, D, **fp)
             self.v_sink = torch.empty_like(self.k_sink)
         if cfg.crop_shadow:
-            self.k_shadow = torch.empty(B, H, G, D, **fp)
-            self.v_shadow = torch.empty(B, H, cfg.value_shadow, D, **fp)
+            self.k_shadow = torch.empty(B, H, cfg.value_shadow, D, **fp)
+            self.v_shadow = torch.empty_like(self.k_shadow)
         if cfg.dequant == "cached":
             self.k_float = torch.empty(B, H, self.max_length, D, **fp)
             self.v_float = torch.empty_like(self.k_float)
@@ -105,11 +113,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             buf[:, :, start:start + codes.shape[2]] = plane
 
     def _store_keys(self, start: int, k: torch.Tensor) -> None:
-        """Quantize whole key groups k [B, H, n*G, D] into positions start.. of the quantized keys."""
+        """Quantize whole key groups k [B, H, n*G, D] (fp32) into positions start.. of the grouped keys."""
         G = self.cfg.group_size
         B, H, n, D = k.shape
         if self.cfg.pre_rope:
-            k = self.rope.rotate_(k.to(torch.float32, copy=True), start, inverse=True)
+            k = self.rope.rotate_(k, start, inverse=True)
         kc, ks, km = quantize_groups(k.view(B, H, n // G, G, D), self.cfg.bits, dim=-2)
         self.k_scale[:, :, start // G:(start + n) // G] = ks
         self.k_min[:, :, start // G:(start + n) // G] = km
@@ -125,13 +133,48 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.v_min[:, :, start:start + n] = vm
         self._put(vc.view(B, H, n, D), self.v_codes, start)
 
+    def _ring_runs(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """(slot, offset, count) runs covering positions [start, end) of the ring (at most 2G of them)."""
+        size, runs, pos = self.k8_codes.shape[2], [], start
+        while pos < end:
+            slot = pos % size
+            count = min(end - pos, size - slot)
+            runs.append((slot, pos - start, count))
+            pos += count
+        return runs
+
+    def _stage_keys(self, start: int, k: torch.Tensor) -> torch.Tensor:
+        """INT8-quantize keys k [B, H, n, D] of positions start.., keep the codes of those the ring must hold
+        (the last 2G at most), and return them dequantized (fp32): what the groups are later made of."""
+        B, H, n, D = k.shape
+        vg = self.value_group
+        codes, scale, mn = quantize_groups(k.view(B, H, n, D // vg, vg), 8, dim=-1)
+        first = max(start, start + n - self.k8_codes.shape[2])
+        for slot, off, count in self._ring_runs(first, start + n):
+            src = slice(first - start + off, first - start + off + count)
+            self.k8_codes[:, :, slot:slot + count] = codes[:, :, src].view(B, H, count, D)
+            self.k8_scale[:, :, slot:slot + count] = scale[:, :, src]
+            self.k8_min[:, :, slot:slot + count] = mn[:, :, src]
+        self.ring_floor = max(self.ring_floor, start + n - self.k8_codes.shape[2])
+        return dequantize_groups(codes, scale, mn, torch.float32).view(B, H, n, D)
+
+    def _read_staged(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+        """Staged keys [start, end) dequantized from the ring into `out` [B, H, end-start, D]."""
+        B, H, _, D = out.shape
+        vg = self.value_group
+        for slot, off, count in self._ring_runs(start, end):
+            dest = out[:, :, off:off + count]
+            dest.copy_(torch.addcmul(self.k8_min[:, :, slot:slot + count].float(),
+                                     self.k8_codes[:, :, slot:slot + count].view(B, H, count, D // vg, vg).float(),
+                                     self.k8_scale[:, :, slot:slot + count].float()).view(B, H, count, D))
+        return out
+
     def _dequantize_into(self, out: torch.Tensor, planes: list[torch.Tensor], scale: torch.Tensor, mn: torch.Tensor,
                          span: tuple[int, int], grouped: tuple[int, ...], hi_only: bool,
-                         sink: torch.Tensor | None, rotate: bool = False) -> torch.Tensor:
+                         rotate: bool = False) -> torch.Tensor:
         """codes * scale + min written into `out` [B, H, n, D] (fp32 arithmetic, then the cache dtype), the codes of
-        positions `span` viewed as [B, H, *grouped] to meet their scales; rotated back (pre-RoPE keys) and the sink
-        tokens in the span replaced by their originals. The codes are unpacked straight into the output and scaled
-        in place: no uint8 -> float copy, no concatenation after."""
+        positions `span` viewed as [B, H, *grouped] to meet their scales, rotated back for pre-RoPE keys. The codes
+        are unpacked straight into the output and scaled in place: no uint8 -> float copy, no concatenation after."""
         work = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
         start, end = span
         if hi_only:  # the INT4 reading of hierarchical codes: the bucket centre 16 * hi + 7.5
@@ -143,16 +186,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         work.view(*work.shape[:2], *grouped).mul_(scale.float()).add_(mn.float())
         if rotate:
             self.rope.rotate_(work, start)
-        out = out if work is out else out.copy_(work)
-        if sink is not None and start < self.cfg.sink:
-            n = min(self.cfg.sink, end) - start
-            out[:, :, :n] = sink[:, :, start:start + n]
-        return out
+        return out if work is out else out.copy_(work)
 
     def dequantize_keys(self, start: int = 0, end: int | None = None, hi_only: bool = False,
                         out: torch.Tensor | None = None) -> torch.Tensor:
-        """Keys [B, H, end-start, D] of the quantized part (a group-aligned range) in the cache dtype, into `out`
-        when given; `hi_only`: the INT4 reading of hierarchical codes."""
+        """Grouped keys [B, H, end-start, D] (a group-aligned range) in the cache dtype, into `out` when given;
+        `hi_only`: the INT4 reading of hierarchical codes."""
         G = self.cfg.group_size
         end = self.quantized if end is None else end
         if out is None:
@@ -161,7 +200,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         D = out.shape[-1]
         return self._dequantize_into(out, self.k_codes, self.k_scale[:, :, start // G:end // G],
                                      self.k_min[:, :, start // G:end // G], (start, end), ((end - start) // G, G, D),
-                                     hi_only, getattr(self, "k_sink", None), rotate=self.cfg.pre_rope)
+                                     hi_only, rotate=self.cfg.pre_rope)
 
     def dequantize_values(self, start: int = 0, end: int | None = None, hi_only: bool = False,
                           out: torch.Tensor | None = None) -> torch.Tensor:
@@ -171,7 +210,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             out = torch.empty(B, H, end - start, D, dtype=self.dtype, device=self.device)
         D, vg = out.shape[-1], self.value_group
         return self._dequantize_into(out, self.v_codes, self.v_scale[:, :, start:end], self.v_min[:, :, start:end],
-                                     (start, end), (end - start, D // vg, vg), hi_only, getattr(self, "v_sink", None))
+                                     (start, end), (end - start, D // vg, vg), hi_only)
 
     # ---- the Cache layer interface --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, hi_only: bool = False, **kwargs):
@@ -185,35 +224,36 @@ class QuantizedKVLayer(CacheLayerMixin):
         return keys, values
 
     def _read(self, k_new, v_new, hi_only):
-        """What attention sees for this step: the quantized parts dequantized, the full-precision tokens, the new."""
-        if self.cfg.dequant == "cached" and not hi_only:
-            if self.k_synced < self.quantized:
-                self.k_float[:, :, self.k_synced:self.quantized] = self.dequantize_keys(self.k_synced)
-                self.k_synced = self.quantized
-            if self.v_synced < self.v_quantized:
-                self.v_float[:, :, self.v_synced:self.v_quantized] = self.dequantize_values(self.v_synced)
-                self.v_synced = self.v_quantized
-            end, t = self.length, k_new.shape[-2]
-            self.k_float[:, :, end:end + t] = k_new
-            self.v_float[:, :, end:end + t] = v_new
-            return self.k_float[:, :, :end + t], self.v_float[:, :, :end + t]
+        """What attention sees for this step: grouped keys and quantized values dequantized, staged keys, the
+        full-precision tokens, the new ones; the sink tokens' originals in place of their codes."""
         if self.length == 0:
             return k_new, v_new
-        k_ws, v_ws = self.workspace.get(k_new, self.max_length)
-        keys = self._assemble(k_ws, self.quantized, self.k_res, k_new)
-        values = self._assemble(v_ws, self.v_quantized, self.v_res, v_new)
-        if self.quantized:
-            self.dequantize_keys(hi_only=hi_only, out=k_ws[:, :, :self.quantized])
-        if self.v_quantized:
-            self.dequantize_values(hi_only=hi_only, out=v_ws[:, :, :self.v_quantized])
+        Tk, Tv, end = self.quantized, self.v_quantized, self.length + k_new.shape[-2]
+        if self.cfg.dequant == "cached" and not hi_only:
+            if self.k_synced < Tk:
+                self.dequantize_keys(self.k_synced, out=self.k_float[:, :, self.k_synced:Tk])
+                self.k_synced = Tk
+            if self.v_synced < Tv:
+                self.dequantize_values(self.v_synced, out=self.v_float[:, :, self.v_synced:Tv])
+                self.v_synced = Tv
+            keys, values = self.k_float[:, :, :end], self.v_float[:, :, :end]
+            keys[:, :, self.length:], values[:, :, self.length:] = k_new, v_new
+        else:
+            keys, values = self.workspace.get(k_new, self.max_length)
+            keys, values = keys[:, :, :end], values[:, :, :end]
+            for ws, res, new in ((keys, self.k_res, k_new), (values, self.v_res, v_new)):
+                ws[:, :, Tv:self.length] = res[:, :, :self.length - Tv]
+                ws[:, :, self.length:] = new
+            if Tk:
+                self.dequantize_keys(hi_only=hi_only, out=keys[:, :, :Tk])
+            if Tv:
+                self.dequantize_values(hi_only=hi_only, out=values[:, :, :Tv])
+        if Tv > Tk:
+            self._read_staged(Tk, Tv, keys[:, :, Tk:Tv])
+        if self.cfg.sink and Tv:
+            n = min(self.cfg.sink, Tv)
+            keys[:, :, :n], values[:, :, :n] = self.k_sink[:, :, :n], self.v_sink[:, :, :n]
         return keys, values
-
-    def _assemble(self, ws: torch.Tensor, quantized: int, res: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """The full-precision tokens and the new ones behind where the quantized part will be dequantized."""
-        end = self.length + new.shape[-2]
-        ws[:, :, quantized:self.length] = res[:, :, :self.length - quantized]
-        ws[:, :, self.length:end] = new
-        return ws[:, :, :end]
 
     def _append(self, k_new, v_new):
         new_length = self.length + k_new.shape[-2]
@@ -222,23 +262,26 @@ class QuantizedKVLayer(CacheLayerMixin):
             n = min(cfg.sink, new_length) - self.length
             self.k_sink[:, :, self.length:self.length + n] = k_new[:, :, :n]
             self.v_sink[:, :, self.length:self.length + n] = v_new[:, :, :n]
-        # keys: whole groups, once they are R tokens old
-        flushed = self._advance(self.k_res, self.quantized, k_new, cfg.flushed_tokens(new_length))
-        if flushed is not None:
-            self._store_keys(self.quantized, flushed)
-            if cfg.crop_shadow:
-                self.k_shadow.copy_(flushed[:, :, -cfg.group_size:])
-                self.shadow_valid = True
-            self.quantized += flushed.shape[-2]
-        # values: every token once it leaves the last R (VALUE_FLUSH at a time)
-        flushed = self._advance(self.v_res, self.v_quantized, v_new, cfg.flushed_values(new_length))
-        if flushed is not None:
-            self._store_values(self.v_quantized, flushed)
+        if cfg.dequant == "cached":  # the full-precision tokens, at their place in the float copy
+            self.k_float[:, :, self.length:new_length] = k_new
+            self.v_float[:, :, self.length:new_length] = v_new
+        Tk, Tv = self.quantized, self.v_quantized
+        new_k, new_v = cfg.flushed_tokens(new_length), cfg.flushed_values(new_length)
+        # keys and values leave the full-precision window together (Tv), VALUE_FLUSH at a time
+        k_out = self._advance(self.k_res, Tv, k_new, new_v)
+        v_out = self._advance(self.v_res, Tv, v_new, new_v)
+        if v_out is not None:
+            if new_k > Tk:  # whole groups leave staging: read the ring's part before this step's keys overwrite it
+                B, H, _, D = k_out.shape
+                older = self._read_staged(Tk, min(Tv, new_k), torch.empty(B, H, max(0, min(Tv, new_k) - Tk), D,
+                                                                          device=self.device))
+            staged = self._stage_keys(Tv, k_out)
+            if new_k > Tk:  # the groups are made of staged (INT8) keys, so a fresh cache makes the same ones
+                self._store_keys(Tk, torch.cat([older, staged[:, :, :max(0, new_k - Tv)]], dim=-2))
+            self._store_values(Tv, v_out)
             if cfg.value_shadow:
-                self._push_value_shadow(flushed)
-            self.v_quantized += flushed.shape[-2]
-        self.length = new_length
-        self._expire_key_shadow()
+                self._push_shadow(k_out, v_out)
+        self.quantized, self.v_quantized, self.length = new_k, new_v, new_length
 
     def _advance(self, res: torch.Tensor, quantized: int, new: torch.Tensor, target: int) -> torch.Tensor | None:
         """Append `new` behind the full-precision tokens `res` holds (those from `quantized` on); when `target`
@@ -252,21 +295,22 @@ class QuantizedKVLayer(CacheLayerMixin):
         res[:, :, :joined.shape[-2] - flush] = joined[:, :, flush:]
         return joined[:, :, :flush]
 
-    def _push_value_shadow(self, flushed: torch.Tensor) -> None:
-        """Keep the originals of the last S flushed values at the end of v_shadow."""
-        S, n = self.cfg.value_shadow, flushed.shape[-2]
-        if n >= S:
-            self.v_shadow.copy_(flushed[:, :, n - S:])
-        else:
-            self.v_shadow[:, :, :S - n] = self.v_shadow[:, :, n:].clone()
-            self.v_shadow[:, :, S - n:] = flushed
-        self.v_shadow_n = min(S, self.v_shadow_n + n)
+    def _push_shadow(self, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Keep the originals of the last S keys and values that left the full-precision window."""
+        S, n = self.cfg.value_shadow, k_out.shape[-2]
+        for shadow, out in ((self.k_shadow, k_out), (self.v_shadow, v_out)):
+            if n >= S:
+                shadow.copy_(out[:, :, n - S:])
+            else:
+                shadow[:, :, :S - n] = shadow[:, :, n:].clone()
+                shadow[:, :, S - n:] = out
+        self.shadow_n = min(S, self.shadow_n + n)
 
-    def _expire_key_shadow(self) -> None:
-        # a crop of at most `rollback` tokens un-flushes the last key group only while length < Tk + R + rollback
+    def _group_kept(self) -> bool:
+        """The ring still counts the last flushed group: while a crop of `rollback` tokens could un-flush it
+        (length < Tk + R + rollback)."""
         cfg = self.cfg
-        if self.shadow_valid and self.length >= self.quantized + cfg.residual + cfg.rollback:
-            self.shadow_valid = False
+        return cfg.crop_shadow and self.quantized > 0 and self.length < self.quantized + cfg.residual + cfg.rollback
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -280,7 +324,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _cannot_crop(self, new_length: int, what: str) -> InputError:
         return InputError(
             f"cannot crop the quantized KV cache from {self.length} to {new_length} tokens exactly: that needs the "
-            f"full-precision {what}, and only the last kv.rollback={self.cfg.rollback} tokens' worth is kept"
+            f"{what}, and only the last kv.rollback={self.cfg.rollback} tokens' worth is kept"
             + ("" if self.cfg.crop_shadow else " (kv.crop_shadow=false: none is kept)"),
             "crop at most kv.rollback tokens at a time (or rebuild the cache), or raise kv.rollback, or raise "
             "kv.residual so rollbacks stay in the full-precision window")
@@ -293,45 +337,42 @@ class QuantizedKVLayer(CacheLayerMixin):
         if not 0 <= new_length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} tokens to {new_length}")
         cfg, G = self.cfg, self.cfg.group_size
+        Tk, Tv = self.quantized, self.v_quantized
         new_k, new_v = cfg.flushed_tokens(new_length), cfg.flushed_values(new_length)
-        k_back = new_k < self.quantized and new_length > new_k  # key group to bring back into full precision
-        v_back = self.v_quantized - new_v if new_v < self.v_quantized and new_length > new_v else 0
-        if k_back and not (self.shadow_valid and new_k == self.quantized - G):
-            raise self._cannot_crop(new_length, f"keys of tokens {new_k}..{self.quantized}")
-        if v_back > self.v_shadow_n:
-            raise self._cannot_crop(new_length, f"values of tokens {new_v}..{self.v_quantized}")
-        if k_back:  # the shadow's G tokens, then the residual keys that survive
-            m = max(0, new_length - self.quantized)
-            self.k_res[:, :, G:G + m] = self.k_res[:, :, :m].clone()
-            self.k_res[:, :, :G] = self.k_shadow
-        if new_k < self.quantized:
-            self.shadow_valid = False  # it held the group just un-flushed or dropped; the one before is not kept
-        if v_back:  # the last v_back shadow rows are values [new_v, v_quantized): those below new_length come back
-            S, m = cfg.value_shadow, max(0, new_length - self.v_quantized)
-            back = min(v_back, new_length - new_v)
-            self.v_res[:, :, back:back + m] = self.v_res[:, :, :m].clone()
-            self.v_res[:, :, :back] = self.v_shadow[:, :, S - v_back:S - v_back + back]
-            self.v_shadow[:, :, v_back:] = self.v_shadow[:, :, :S - v_back].clone()
-            self.v_shadow_n -= v_back
-        elif new_v < self.v_quantized:  # cropped below every value the shadow held
-            self.v_shadow_n = 0
+        # a group goes back to staging: its INT8 codes must still be in the ring, and counted
+        if new_k < Tk and new_v > new_k and not (self._group_kept() and new_k == Tk - G
+                                                 and self.ring_floor <= new_k):
+            raise self._cannot_crop(new_length, f"staged INT8 codes of keys {new_k}..{min(Tk, new_v)}")
+        back = Tv - new_v if new_v < Tv and new_length > new_v else 0  # un-flushed: back to full precision
+        if back > self.shadow_n:
+            raise self._cannot_crop(new_length, f"full-precision keys and values of tokens {new_v}..{Tv}")
+        if back:  # the last `back` shadow rows are tokens [new_v, Tv): those below new_length come back
+            S, m = cfg.value_shadow, max(0, new_length - Tv)
+            keep = min(back, new_length - new_v)
+            for res, shadow in ((self.k_res, self.k_shadow), (self.v_res, self.v_shadow)):
+                res[:, :, keep:keep + m] = res[:, :, :m].clone()
+                res[:, :, :keep] = shadow[:, :, S - back:S - back + keep]
+                shadow[:, :, back:] = shadow[:, :, :S - back].clone()
+            self.shadow_n -= back
+        elif new_v < Tv:  # cropped below every token the shadows held
+            self.shadow_n = 0
         if cfg.dequant == "cached" and self.is_initialized:
             self.k_synced, self.v_synced = min(self.k_synced, new_k), min(self.v_synced, new_v)
-            self.k_float[:, :, new_k:new_length] = self.k_res[:, :, :new_length - new_k]
+            self.k_float[:, :, new_v:new_length] = self.k_res[:, :, :new_length - new_v]
             self.v_float[:, :, new_v:new_length] = self.v_res[:, :, :new_length - new_v]
-        self.quantized, self.v_quantized = min(self.quantized, new_k), min(self.v_quantized, new_v)
+        self.quantized, self.v_quantized = min(Tk, new_k), min(Tv, new_v)
         self.length = new_length
-        self._expire_key_shadow()
 
     def reset(self) -> None:
         self.crop(0)
 
-    _BATCHED = ("k_scale", "k_min", "v_scale", "v_min", "k_res", "v_res", "k_shadow", "v_shadow", "k_sink", "v_sink",
-                "k_float", "v_float")
+    _BATCHED = ("k_scale", "k_min", "v_scale", "v_min", "k8_codes", "k8_scale", "k8_min", "k_res", "v_res",
+                "k_shadow", "v_shadow", "k_sink", "v_sink", "k_float", "v_float")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Rows of the batch picked (and repeated) by `beam_idx`, in every per-row buffer: codes, scales, minima,
-        residuals, shadows and float copy (beam search's reorder; evaluation's one context, several endings)."""
+        staged keys, residuals, shadows and float copy (beam search's reorder; evaluation's one context, several
+        endings)."""
         if not self.is_initialized:
             return
         idx = beam_idx.to(self.device)
@@ -344,27 +385,29 @@ class QuantizedKVLayer(CacheLayerMixin):
     # ---- bytes --------------------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes of the state a cache of this length holds: codes and scales/minima of the quantized keys and
-        values, the full-precision tokens, the shadows while they are held, the sink tokens' originals once they
-        are quantized, the float copy if cached (not the rotary table of pre_rope: one per model, not per sequence)."""
+        """Bytes of the state a cache of this length holds: codes and scales/minima of the grouped keys, staged
+        keys and quantized values, the full-precision tokens, the shadows and the ring's last group while they
+        are counted, the sink tokens' originals once quantized, the float copy if cached (not the rotary table of
+        pre_rope: one per model, not per sequence)."""
         if not self.is_initialized:
             return 0
-        Tk, Tv, G = self.quantized, self.v_quantized, self.cfg.group_size
+        Tk, Tv, G, cfg = self.quantized, self.v_quantized, self.cfg.group_size, self.cfg
 
         def rows(t: torch.Tensor, n: int) -> int:
             return t[:, :, :1].numel() * t.element_size() * n
 
+        def staged(n: int) -> int:
+            return rows(self.k8_codes, n) + rows(self.k8_scale, n) * 2
+
         total = sum(rows(c, Tk) for c in self.k_codes) + sum(rows(c, Tv) for c in self.v_codes)
-        total += rows(self.k_scale, Tk // G) * 2 + rows(self.v_scale, Tv) * 2
-        total += rows(self.k_res, self.length - Tk) + rows(self.v_res, self.length - Tv)
-        if self.cfg.sink:
-            total += rows(self.k_sink, min(self.cfg.sink, Tk)) + rows(self.v_sink, min(self.cfg.sink, Tv))
-        if self.cfg.crop_shadow:  # what a cache of this length holds (a crop may have used up part of it)
-            R, S = self.cfg.residual, self.cfg.rollback
-            if Tk and self.length < Tk + R + S:
-                total += rows(self.k_shadow, G)
-            total += rows(self.v_shadow, min(self.cfg.value_shadow, Tv))
-        if self.cfg.dequant == "cached":
+        total += rows(self.k_scale, Tk // G) * 2 + rows(self.v_scale, Tv) * 2 + staged(Tv - Tk)
+        total += rows(self.k_res, self.length - Tv) + rows(self.v_res, self.length - Tv)
+        if cfg.sink:
+            total += rows(self.k_sink, min(cfg.sink, Tv)) * 2
+        if cfg.crop_shadow:  # what a cache of this length holds (a crop may have used up part of it)
+            total += staged(G) if self._group_kept() else 0
+            total += rows(self.k_shadow, min(cfg.value_shadow, Tv)) * 2
+        if cfg.dequant == "cached":
             total += rows(self.k_float, self.length) * 2
         return total
 

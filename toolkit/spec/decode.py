@@ -114,8 +114,8 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
                          generator: torch.Generator | None = None) -> SpecResult:
     """Generate like `engine.generate.generate` (same arguments, same outputs: greedy output is token-identical
     to it, sampled output has the same distribution), with `draft` proposing tokens the target verifies."""
-    from toolkit.kv import kv_kind, make_kv_cache, quant_config
-    from toolkit.kv.config import check_rollback
+    from toolkit.kv import make_kv_cache
+    from toolkit.kv.config import with_rollback
 
     sampling = sampling or SamplingParams()
     encoded = encode_prompts(tokenizer, prompts)
@@ -125,9 +125,10 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
     batch = len(encoded)
     width = max(len(ids) for ids in encoded)
     k_max = length.k_max if length.adaptive else length.k
-    for cache_cfg, whose in ((kv, "the target's"), (getattr(draft, "kv", None), "the draft's")):
-        if kv_kind(cache_cfg) != "fp":  # a verify pass feeds k + 1 tokens and may roll them all back
-            check_rollback(quant_config(cache_cfg), k_max + 1, f"speculative decoding with k={k_max} ({whose} cache)")
+    # a verify pass feeds k + 1 tokens and may roll them all back: quantized caches keep shadows that deep
+    kv = with_rollback(kv, k_max + 1, f"speculative decoding with k={k_max} (the target's cache)")
+    if getattr(draft, "kv", None) is not None:
+        draft.kv = with_rollback(draft.kv, k_max + 1, f"speculative decoding with k={k_max} (the draft's cache)")
     if generator is None:
         generator = sampling.generator(next(model.parameters()).device)
     if hasattr(draft, "generator") and draft.generator is None:
