@@ -33,9 +33,10 @@ class RotaryTable:
 
     def __init__(self, inv_freq: torch.Tensor, max_length: int, span: int | None = None):
         self.half = inv_freq.numel()  # the partner of channel i is channel i + half
-        fast = inv_freq.numel() if span is None else int((inv_freq.double() * span >= MIN_ANGLE).sum())
-        if span is not None and not bool((inv_freq[:fast].double() * span >= MIN_ANGLE).all()):
-            fast = inv_freq.numel()  # not falling with the index: turn them all
+        turns = inv_freq.cpu().double() * span >= MIN_ANGLE if span else torch.ones(inv_freq.numel(), dtype=bool)
+        fast = int(turns.sum())
+        if not bool(turns[:fast].all()):
+            fast = inv_freq.numel()  # the turning pairs are not the leading ones: turn them all
         angles = torch.outer(torch.arange(max_length, dtype=torch.float64), inv_freq[:fast].double().cpu())
         self.cos = angles.cos().float().to(inv_freq.device)
         self.sin = angles.sin().float().to(inv_freq.device)

@@ -127,7 +127,7 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
     k_max = length.k_max if length.adaptive else length.k
     # a verify pass feeds k + 1 tokens and may roll them all back: quantized caches keep shadows that deep
     kv = with_rollback(kv, k_max + 1, f"speculative decoding with k={k_max} (the target's cache)")
-    if getattr(draft, "kv", None) is not None:
+    if hasattr(draft, "kv"):  # a model draft's own cache (with_rollback passes fp and None through)
         draft.kv = with_rollback(draft.kv, k_max + 1, f"speculative decoding with k={k_max} (the draft's cache)")
     if generator is None:
         generator = sampling.generator(next(model.parameters()).device)
