@@ -17,6 +17,8 @@ itl      decode inter-token latency at each context: one fp prefill, its keys/va
          step i+1 of any), median per cache and ratio to fp; greedy agreement with fp over the steps.
 Caches: int8, int4, int2 with the defaults of conf/kv (kv.rollback 1: no speculation here), and int4-base, int2-base:
          the same caches without the sink token, pre-RoPE keys and value clip (the ablation, in the same run).
+         In itl also <kind>-torch: the same caches read with torch ops instead of the fused kernel (kv.dequant=torch:
+         bit-equal values, so only their time is shown), and int4-cached (a float copy: what dequantizing costs).
 --baselines adds transformers' QuantizedCache (quanto int4/int2, hqq int8/int4/int2, same group and residual,
          library default axes) to quality and itl.
 Model: SmolLM2-135M in fp32 (the KV dtype is the activations'). Timings are only comparable within one run.
@@ -217,7 +219,8 @@ def main() -> None:
     if "itl" in args.parts:
         result["itl"] = []
         for context in args.contexts:
-            r = itl(model, tok, names + ([] if args.no_cached else ["int4-cached"]), context, args.steps, args.group, args.residual)
+            extra = ([] if args.no_cached else ["int4-cached"]) + ([] if args.kinds else [f"{k}-torch" for k in KINDS])
+            r = itl(model, tok, names + extra, context, args.steps, args.group, args.residual)
             result["itl"].append(r)
             print(f"itl: {r['protocol']}")
             for n, v in r.items():

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from toolkit.errors import InputError
 from toolkit.kv.quantize import ALLOWED_BITS
 
-DEQUANT_MODES = ("full", "cached")
+DEQUANT_MODES = ("full", "torch", "cached")
 # Tokens leave the full-precision window this many at a time (values quantized per token, keys staged per token):
 # quantizing one token per layer per decode step costs ~30 small ops (~0.2 ms a layer on this CPU), an eighth of that
 # in chunks of 8, at most 7 more tokens in full precision.
@@ -20,7 +20,9 @@ class KVQuantConfig:
     hierarchical: bool = False  # INT8 stored as two INT4 planes; the high plane is a valid INT4 cache
     crop_shadow: bool = True  # keep full-precision shadows so a crop of up to `rollback` tokens stays exact
     rollback: int = 1  # the deepest crop kept exact: one decode step; speculative decoding raises it to k + 1
-    dequant: str = "full"  # "full": dequantize the quantized part per step; "cached": keep a float copy (no saving)
+    # "full": dequantize the quantized part per step, in one fused pass (toolkit/kv/native.py) where the kernel builds;
+    # "torch": the same with torch ops (the reference, and the fallback); "cached": keep a float copy (no saving)
+    dequant: str = "full"
     sink: int = 1  # the first tokens (attention sinks, BOS) also kept in full precision once quantized
     pre_rope: bool = False  # quantize keys un-rotated (toolkit/kv/rope.py); from_node: on at 2 bits
     value_clip: bool = False  # search each value group's range for the least error (quantize.CLIP_GRID); on at 2 bits

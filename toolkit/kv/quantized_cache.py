@@ -43,6 +43,7 @@ from transformers.cache_utils import CacheLayerMixin
 from toolkit.engine.kv_cache import LayeredKVCache
 from toolkit.errors import InputError
 from toolkit.kv.config import VALUE_FLUSH, KVQuantConfig
+from toolkit.kv import native
 from toolkit.kv.quantize import CLIP_GRID, dequantize_groups, pack, quantize_groups, split_planes, unpack, unpack_into
 from toolkit.kv.rope import RotaryTable, rope_frequencies, rotary_tables
 
@@ -169,14 +170,24 @@ class QuantizedKVLayer(CacheLayerMixin):
                                      self.k8_scale[:, :, slot:slot + count].float()).view(B, H, count, D))
         return out
 
+    def _fused(self, out: torch.Tensor, hi_only: bool) -> bool:
+        """Whether this read goes through the fused kernel: kv.dequant other than torch, plain codes (hierarchical
+        planes and their INT4 reading stay on torch ops), and an output the kernel can write."""
+        return (self.cfg.dequant != "torch" and not self.cfg.hierarchical and not hi_only
+                and native.supported(out, self.cfg.bits) and native.kernel() is not None)
+
     def _dequantize_into(self, out: torch.Tensor, planes: list[torch.Tensor], scale: torch.Tensor, mn: torch.Tensor,
-                         span: tuple[int, int], grouped: tuple[int, ...], hi_only: bool,
+                         span: tuple[int, int], grouped: tuple[int, ...], hi_only: bool, kind: str,
                          rotate: bool = False) -> torch.Tensor:
         """codes * scale + min written into `out` [B, H, n, D] (fp32 arithmetic, then the cache dtype), the codes of
         positions `span` viewed as [B, H, *grouped] to meet their scales, rotated back for pre-RoPE keys. The codes
         are unpacked straight into the output and scaled in place: no uint8 -> float copy, no concatenation after."""
-        work = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
         start, end = span
+        if self._fused(out, hi_only):  # one pass in C (toolkit/kv/native.py), the same values as the ops below
+            rope = (self.rope.cos[start:end], self.rope.sin[start:end]) if rotate else ()
+            return native.dequantize(kind, planes[0][:, :, start:end], scale, mn, out, self.cfg.bits,
+                                     self.cfg.group_size if kind == "keys" else self.value_group, *rope)
+        work = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
         if hi_only:  # the INT4 reading of hierarchical codes: the bucket centre 16 * hi + 7.5
             unpack_into(planes[0][:, :, start:end], 4, work).mul_(16).add_(7.5)
         elif self.cfg.hierarchical:  # 16 * hi + lo
@@ -200,7 +211,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         D = out.shape[-1]
         return self._dequantize_into(out, self.k_codes, self.k_scale[:, :, start // G:end // G],
                                      self.k_min[:, :, start // G:end // G], (start, end), ((end - start) // G, G, D),
-                                     hi_only, rotate=self.cfg.pre_rope)
+                                     hi_only, "keys", rotate=self.cfg.pre_rope)
 
     def dequantize_values(self, start: int = 0, end: int | None = None, hi_only: bool = False,
                           out: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,7 +221,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             out = torch.empty(B, H, end - start, D, dtype=self.dtype, device=self.device)
         D, vg = out.shape[-1], self.value_group
         return self._dequantize_into(out, self.v_codes, self.v_scale[:, :, start:end], self.v_min[:, :, start:end],
-                                     (start, end), (end - start, D // vg, vg), hi_only)
+                                     (start, end), (end - start, D // vg, vg), hi_only, "values")
 
     # ---- the Cache layer interface --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, hi_only: bool = False, **kwargs):

@@ -1,0 +1,133 @@
+"""The fused KV dequantization kernel (toolkit/kv/kernels/dequant.c): built with the system C compiler on first use,
+cached under $SPECQUANT_HOME/kernels, called through ctypes on the tensors' memory.
+
+Plain C and ctypes, not a torch extension: it needs no torch headers (a torch extension build takes minutes on two
+cores; this one about a second) and no Python headers. The library's name hashes the source, the compiler flags and
+the CPU's model, so a changed kernel or another machine builds its own. `-march=native` because the cache is read on
+the machine that built it.
+
+Where no compiler is found or the build fails, `kernel()` returns None once, with a warning, and the cache uses torch
+ops (`kv.dequant=torch`, the same values): nothing depends on the kernel being there.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from toolkit.paths import home
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "dequant.c"
+# -ffp-contract=off: no fused multiply-add, so every product and sum rounds as torch's separate ops do (bit-equal)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+MAX_HEAD_DIM = 512  # the kernel's row buffer
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(compiler: str, flags: list[str]) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_model()]).encode()).hexdigest()[:16]
+    target = home() / "kernels" / f"kv-dequant-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed into place: never half a file
+        built = Path(tmp) / target.name
+        run = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
+                             timeout=120)
+        if run.returncode:
+            raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+def load(flags: tuple[str, ...] = tuple(FLAGS)):
+    """Build (once per source, flags and CPU) and load the kernel; None, with a warning, where it cannot be built.
+    Tests pass `-mno-avx2` to load the portable path beside the AVX2 one."""
+    if os.environ.get("SPECQUANT_NO_KERNELS"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        log.warning("no C compiler found: the quantized KV cache dequantizes with torch ops (slower, same values)")
+        return None
+    try:
+        try:
+            path = _build(compiler, list(flags))
+        except RuntimeError:  # a compiler without OpenMP: one thread
+            if "-fopenmp" not in flags:
+                raise
+            path = _build(compiler, [f for f in flags if f != "-fopenmp"])
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("the KV dequantization kernel did not build (%s): using torch ops (slower, same values)", e)
+        return None
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    common = [p, i64, p, p, i64, p, i64, i, i, i, i, i, i]
+    lib.sq_dequant_keys.argtypes = common + [p, p, i]
+    lib.sq_dequant_values.argtypes = common
+    lib.sq_dequant_keys.restype = lib.sq_dequant_values.restype = i
+    return lib
+
+
+@lru_cache(maxsize=1)
+def kernel():
+    """The library the cache uses (functions sq_dequant_keys, sq_dequant_values), or None: see `load`."""
+    return load()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def supported(out: torch.Tensor, bits: int) -> bool:
+    """Whether the kernel can write `out` (fp32 or bf16 on the CPU, tokens and channels contiguous) at `bits`."""
+    return (out.device.type == "cpu" and out.dtype in (torch.float32, torch.bfloat16) and bits in (2, 4, 8)
+            and out.shape[-1] <= MAX_HEAD_DIM and out.stride(-1) == 1 and out.stride(-2) == out.shape[-1]
+            and out.stride(0) == out.shape[1] * out.stride(1))
+
+
+def dequantize(kind: str, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, out: torch.Tensor, bits: int,
+               group: int, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+    """codes [B, H, n, D*bits/8] (uint8; rows may be strided, tokens contiguous) dequantized into `out` [B, H, n, D]
+    (checked with `supported`). kind "keys": scale/min [B, H, n/group, 1, D]; "values": [B, H, n, D/group, 1].
+    cos/sin [n, pairs] (keys only): rotate pairs (i, i + D/2) back after scaling, as RotaryTable.rotate_ does.
+    `lib`: a library from `load` (default: `kernel()`)."""
+    lib = lib or kernel()
+    B, H, n, D = out.shape
+    if n == 0:
+        return out
+    # the scales are small ([n/G, D] or [n, D/vg] per row): one fp32 contiguous copy
+    s = scale.float().reshape(B * H, -1).contiguous()
+    m = mn.float().reshape(B * H, -1).contiguous()
+    if codes.stride(-1) != 1 or codes.stride(-2) != codes.shape[-1] or codes.stride(0) != H * codes.stride(1):
+        codes = codes.contiguous()
+    args = [_ptr(codes), codes.stride(1), _ptr(s), _ptr(m), s.shape[1], _ptr(out), out.stride(1),
+            int(out.dtype == torch.bfloat16), B * H, n, D, bits, group]
+    if kind == "keys":
+        if cos is not None:
+            cos, sin = cos.contiguous(), sin.contiguous()
+        rc = lib.sq_dequant_keys(*args, _ptr(cos), _ptr(sin), 0 if cos is None else cos.shape[1])
+    else:
+        rc = lib.sq_dequant_values(*args)
+    if rc:
+        raise ValueError(f"the KV dequantization kernel refused head dim {D}, group {group}, {n} tokens")
+    return out
