@@ -170,11 +170,14 @@ class QuantizedKVLayer(CacheLayerMixin):
                                      self.k8_scale[:, :, slot:slot + count].float()).view(B, H, count, D))
         return out
 
-    def _fused(self, out: torch.Tensor, hi_only: bool) -> bool:
+    def _fused(self, out: torch.Tensor, hi_only: bool, rotate: bool) -> bool:
         """Whether this read goes through the fused kernel: kv.dequant other than torch, plain codes (hierarchical
-        planes and their INT4 reading stay on torch ops), and an output the kernel can write."""
+        planes and their INT4 reading stay on torch ops), an output the kernel can write, and codes that need
+        unpacking or a rotation: plain 8-bit codes are one conversion, which torch's own copy does as fast (the
+        kernel was no faster for them in toolkit.bench.kv, and its single unpack step buys nothing there)."""
         return (self.cfg.dequant != "torch" and not self.cfg.hierarchical and not hi_only
-                and native.supported(out, self.cfg.bits) and native.kernel() is not None)
+                and (self.cfg.bits < 8 or rotate) and native.supported(out, self.cfg.bits)
+                and native.kernel() is not None)
 
     def _dequantize_into(self, out: torch.Tensor, planes: list[torch.Tensor], scale: torch.Tensor, mn: torch.Tensor,
                          span: tuple[int, int], grouped: tuple[int, ...], hi_only: bool, kind: str,
@@ -183,7 +186,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         positions `span` viewed as [B, H, *grouped] to meet their scales, rotated back for pre-RoPE keys. The codes
         are unpacked straight into the output and scaled in place: no uint8 -> float copy, no concatenation after."""
         start, end = span
-        if self._fused(out, hi_only):  # one pass in C (toolkit/kv/native.py), the same values as the ops below
+        if self._fused(out, hi_only, rotate):  # one pass in C (toolkit/kv/native.py), the same values as the ops below
             rope = (self.rope.cos[start:end], self.rope.sin[start:end]) if rotate else ()
             return native.dequantize(kind, planes[0][:, :, start:end], scale, mn, out, self.cfg.bits,
                                      self.cfg.group_size if kind == "keys" else self.value_group, *rope)
