@@ -153,3 +153,23 @@ def test_awq_end_to_end_checkpoint(arch_dir, tiny_tokenizer, tmp_path):
     assert float((got - fake).abs().max()) < 0.05 * float(fake.abs().max())
     assert not torch.allclose(got, ref, atol=1e-4)  # it is quantized
     assert qsd2.recipe.method == "awq"
+
+
+def test_scale_and_clip_search_on_a_ragged_last_group():
+    """96 inputs at group 64 (groups of 64 and 32): one max per group, and neither search makes the error worse."""
+    config = QuantConfig(bits=4, group_size=64, symmetric=False)
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 96, generator=g) * 0.05
+    w[:, 90] *= 8  # a heavy column in the short group
+    x = _outlier_inputs(cols=96)
+    lin = nn.Linear(96, 32, bias=False)
+    lin.weight.data.copy_(w)
+    s, _, _ = search_scales(x, [lin], config, AWQOptions())
+    assert s.shape == (96,)
+    plain = _rel_output_error(x, w, fake_quantize(w, config))
+    assert _rel_output_error(x, w, fake_quantize(w * s, config) / s) <= plain
+    max_val = search_clip(w, x, config, AWQOptions(clip_tokens=1024))
+    assert max_val.shape == (32, 2)
+    padded = torch.nn.functional.pad(w, (0, 32)).reshape(32, 2, 64)
+    clipped = torch.clamp(padded, -max_val[..., None], max_val[..., None]).reshape(32, 128)[:, :96]
+    assert _rel_output_error(x, w, fake_quantize(clipped, config)) <= plain

@@ -137,5 +137,19 @@ def test_bad_arguments():
     w = torch.randn(8, 64)
     with pytest.raises(ValueError, match="hessian"):
         gptq_quantize(w, torch.eye(32), QuantConfig(4, 32))
-    with pytest.raises(ValueError, match="divisible"):
-        gptq_quantize(torch.randn(8, 96), torch.eye(96), QuantConfig(4, 64))
+
+
+@pytest.mark.parametrize("act_order,static_groups", [(False, False), (True, False), (True, True)])
+def test_gptq_with_a_ragged_last_group_beats_rtn(act_order, static_groups):
+    """160 inputs at group 64: groups of 64, 64 and 32 (SmolLM2's 576 at 128 has the same shape of problem)."""
+    x, w = _data(3)
+    x, w = x[:, :160], w[:, :160]
+    config = QuantConfig(4, 64, False)
+    qw, _ = gptq_quantize(w, 2 / N * x.t() @ x, config, act_order=act_order, static_groups=static_groups,
+                          block_size=48)  # blocks not aligned to the groups, and the last block ragged too
+    assert qw.scale.shape == qw.zero.shape == (OUT, 3) and qw.codes.shape == (OUT, 160)
+    if qw.g_idx is not None:
+        assert int(qw.g_idx.max()) == 2 and int((qw.g_idx == 2).sum()) == 32
+    err_gptq = _out_err(x, w, qw.dequantize())
+    err_rtn = _out_err(x, w, rtn_quantize(w, config).dequantize())
+    assert err_gptq <= 0.8 * err_rtn, (err_gptq, err_rtn)

@@ -62,11 +62,26 @@ def test_config_is_frozen_and_defaults_are_valid():
         config.bits = 8
 
 
-def test_width_not_divisible_by_group_size_raises_and_suggests_a_divisor():
-    with pytest.raises(ValueError, match=r"in_features=96 is not divisible by group_size=64.*group_size=32"):
-        choose_qparams(torch.randn(2, 96), QuantConfig(group_size=64))
-    with pytest.raises(ValueError, match=r"not divisible.*group_size=-1"):  # 40 has no power-of-two divisor >= 32
-        choose_qparams(torch.randn(2, 40), QuantConfig(group_size=32))
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("shape,gs", [((5, 96), 64), ((3, 40), 32), ((4, 576), 128)])
+def test_ragged_last_group_quantizes_as_if_zero_padded(bits, symmetric, shape, gs):
+    """A group size that does not divide the width leaves a short last group (SmolLM2's 576 at 128): the same
+    qparams and codes as the weight zero-padded to whole groups, since the range always contains 0."""
+    torch.manual_seed(bits)
+    config = QuantConfig(bits=bits, group_size=gs, symmetric=symmetric)
+    w = torch.randn(*shape) + 0.3  # mostly positive groups: padding with 0 must still change nothing
+    padded = torch.nn.functional.pad(w, (0, -shape[1] % gs))
+    assert config.n_groups(shape[1]) == padded.shape[1] // gs and not config.divides(shape[1])
+    scale, zero = choose_qparams(w, config)
+    pscale, pzero = choose_qparams(padded, config)
+    assert torch.equal(scale, pscale) and torch.equal(zero, pzero)
+    q = quantize(w, scale, zero, config)
+    assert q.shape == w.shape and torch.equal(q, quantize(padded, scale, zero, config)[:, :shape[1]])
+    assert torch.equal(dequantize(q, scale, zero, config),
+                       dequantize(quantize(padded, scale, zero, config), scale, zero, config)[:, :shape[1]])
+    # the padded columns land on the zero point: they dequantize to exactly 0, so padding x with zeros is exact
+    assert bool((quantize(padded, scale, zero, config)[:, shape[1]:] == zero[:, -1:]).all())
 
 
 def test_non_finite_or_non_2d_weight_raises():

@@ -73,6 +73,12 @@ CASES = [  # (out, in, bits, group_size, symmetric, expected kernel)
     (64, 128, 3, -1, False, "dequant"),
     (64, 128, 2, 64, False, "dequant"),
     (40, 96, 2, 32, True, "dequant"),
+    # a ragged last group (SmolLM2's 576 at g128: 4 whole groups and one of 64): int4 runs zero-padded
+    (96, 576, 4, 128, False, "int4pack"),
+    (48, 576, 4, 128, True, "int4pack"),
+    (64, 96, 4, 64, False, "int4pack"),
+    (64, 576, 3, 128, False, "dequant"),
+    (64, 96, 8, 64, True, "dequant"),
 ]
 
 

@@ -32,7 +32,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from toolkit.quant.primitives import QuantConfig, choose_qparams, dequantize, quantize
+from toolkit.quant.primitives import QuantConfig, choose_qparams, dequantize, pad_to_groups, quantize
 from toolkit.quant.quantized_weight import QuantizedWeight
 from toolkit.quant.rtn import rtn_quantize
 
@@ -93,8 +93,9 @@ def search_scales(x: torch.Tensor, linears: list[nn.Linear], config: QuantConfig
     if options.duo_scaling:
         w = torch.cat(weights)
         gs = config.resolve_group_size(w.shape[1])
-        grouped = w.abs().reshape(w.shape[0], -1, gs)
-        w_mean = (grouped / grouped.amax(-1, keepdim=True).clamp(min=1e-8)).reshape(w.shape).mean(0)
+        grouped = pad_to_groups(w.abs(), config).reshape(w.shape[0], -1, gs)  # a ragged last group zero-padded
+        w_mean = (grouped / grouped.amax(-1, keepdim=True).clamp(min=1e-8)).reshape(w.shape[0], -1)
+        w_mean = w_mean[:, :w.shape[1]].mean(0)
 
     def outputs(ws):
         if inspect is not None:
@@ -167,20 +168,22 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig, opti
     """Best ``max|w|`` per output channel and group ``[out, n_groups]`` for ``weight`` on inputs ``x [t, in]``."""
     w_all = weight.detach().to(torch.float32)
     out, cols = w_all.shape
-    gs = config.resolve_group_size(cols)
+    gs, groups = config.resolve_group_size(cols), config.n_groups(cols)
     step = max(1, x.shape[0] // options.clip_tokens)
-    xs = x[::step][:options.clip_tokens].to(torch.float32).reshape(-1, cols // gs, gs)  # [t, g, gs]
+    # a ragged last group zero-padded in both: the padding adds nothing to any product
+    xs = pad_to_groups(x[::step][:options.clip_tokens].to(torch.float32), config).reshape(-1, groups, gs)  # [t, g, gs]
+    w_all = pad_to_groups(w_all, config)
     n_steps = max(1, int(options.max_shrink * options.clip_grid))
     best_max = []
     for o in range(0, out, oc_batch):
-        w = w_all[o:o + oc_batch].reshape(-1, cols // gs, gs)  # [oc, g, gs]
+        w = w_all[o:o + oc_batch].reshape(-1, groups, gs)  # [oc, g, gs]
         org_max = w.abs().amax(-1, keepdim=True)  # [oc, g, 1]
         ref = torch.einsum("tgk,ogk->otg", xs, w)
         best_err = torch.full(org_max.shape[:2], float("inf"))
         best = org_max.clone()
         for i in range(n_steps):
             max_val = org_max * (1 - i / options.clip_grid)
-            clipped = torch.clamp(w, -max_val, max_val).reshape(-1, cols)
+            clipped = torch.clamp(w, -max_val, max_val).reshape(-1, groups * gs)
             q = fake_quantize(clipped, config).reshape(w.shape)
             err = (torch.einsum("tgk,ogk->otg", xs, q) - ref).pow(2).mean(1)  # [oc, g]
             better = err < best_err
@@ -193,9 +196,9 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig, opti
 def apply_clip(linear: nn.Linear, max_val: torch.Tensor, config: QuantConfig) -> None:
     w = linear.weight.data
     gs = config.resolve_group_size(w.shape[1])
-    grouped = w.reshape(w.shape[0], -1, gs)
+    grouped = pad_to_groups(w, config).reshape(w.shape[0], -1, gs)
     m = max_val.to(w)[..., None]
-    grouped.copy_(torch.clamp(grouped, -m, m))
+    w.copy_(torch.clamp(grouped, -m, m).reshape(w.shape[0], -1)[:, :w.shape[1]])
 
 
 # ------------------------------------------------------------------------------------------- one block

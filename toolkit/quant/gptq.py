@@ -102,7 +102,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     if damp_percent < 0:
         raise ValueError(f"damp_percent must be >= 0, got {damp_percent}")
     gs = config.resolve_group_size(cols)
-    n_groups = cols // gs
+    n_groups = config.n_groups(cols)  # the last one ragged where gs does not divide cols
     w_all = weight.detach().to(torch.float32).clone()
     h = hessian.detach().to(device=w_all.device, dtype=torch.float32).clone()
     if not (torch.isfinite(w_all).all() and torch.isfinite(h).all()):

@@ -7,6 +7,8 @@ Conventions (shared by every function here)
 -------------------------------------------
 * A weight is a 2-D matrix ``[out_features, in_features]`` (``nn.Linear.weight``). Groups run along the INPUT
   dimension: group ``g`` of row ``o`` is ``weight[o, g*gs:(g+1)*gs]``; ``group_size=-1`` means one group per row.
+  Where ``gs`` does not divide ``in_features`` the last group is shorter, quantized as if zero-padded
+  (`QuantConfig.n_groups`).
 * ``scale`` is float32 ``[out, n_groups]``; ``zero`` is int32 ``[out, n_groups]``; codes ``q`` are uint8
   ``[out, in]`` with values in ``[0, 2**bits - 1]``.
 * ``q = clamp(round(w / scale) + zero, 0, maxq)`` and ``w ~= (q - zero) * scale``; ``round`` is ``torch.round``
@@ -61,17 +63,22 @@ class QuantConfig:
         return (1 << self.bits) - 1
 
     def resolve_group_size(self, in_features: int) -> int:
-        """The group size for a weight with ``in_features`` inputs; raises if the groups would not tile it."""
+        """The group size for a weight with ``in_features`` inputs (``in_features`` itself for -1). It need not
+        divide ``in_features``: the last group is then shorter (see `n_groups`)."""
         if in_features <= 0:
             raise ValueError(f"in_features must be positive, got {in_features}")
-        if self.group_size == -1:
-            return in_features
-        if in_features % self.group_size:
-            raise ValueError(_not_divisible_message(in_features, self.group_size))
-        return self.group_size
+        return in_features if self.group_size == -1 else self.group_size
 
     def n_groups(self, in_features: int) -> int:
-        return in_features // self.resolve_group_size(in_features)
+        """Groups along the input dim, the last one ragged where the group size does not divide it (SmolLM2's 576
+        at 128: 4 whole groups and one of 64). A ragged group quantizes exactly as if zero-padded to a whole one:
+        `choose_qparams`' range always contains 0, so the padding changes no scale or zero point, and zero
+        columns get the zero point's code. That is how the GPTQ format reads it too (``g_idx = i // group_size``)."""
+        return -(-in_features // self.resolve_group_size(in_features))
+
+    def divides(self, in_features: int) -> bool:
+        """Whether the groups tile ``in_features`` exactly (what kernels and the AWQ format need)."""
+        return in_features % self.resolve_group_size(in_features) == 0
 
 
 def _is_int(x) -> bool:
@@ -82,19 +89,18 @@ def _valid_group_size(gs: int) -> bool:
     return gs == -1 or (gs >= MIN_GROUP_SIZE and gs & (gs - 1) == 0)
 
 
-def _not_divisible_message(in_features: int, group_size: int) -> str:
-    # Padding changes the layer's shape, so it is the caller's decision; we only point at the options.
-    divisors = [g for g in (2 ** k for k in range(5, 13)) if g < group_size and in_features % g == 0]
-    hint = f"group_size={divisors[-1]}" if divisors else "group_size=-1 (one group per output channel)"
-    return (f"in_features={in_features} is not divisible by group_size={group_size}: use {hint}, "
-            f"or pad the input dimension to a multiple of {group_size} before quantizing")
-
-
 # --------------------------------------------------------------------------------------------- qparams
 
 
+def pad_to_groups(t: torch.Tensor, config: QuantConfig, value: float = 0) -> torch.Tensor:
+    """``t [out, in]`` with columns of ``value`` appended up to ``n_groups * group_size`` (a ragged last group)."""
+    in_features = t.shape[1]
+    pad = config.n_groups(in_features) * config.resolve_group_size(in_features) - in_features
+    return torch.nn.functional.pad(t, (0, pad), value=value) if pad else t
+
+
 def _as_groups(weight: torch.Tensor, config: QuantConfig) -> torch.Tensor:
-    """A float32 view ``[out, n_groups, group_size]`` of a finite 2-D weight."""
+    """A float32 ``[out, n_groups, group_size]`` of a finite 2-D weight (a ragged last group zero-padded)."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     if not weight.is_floating_point():
@@ -104,7 +110,7 @@ def _as_groups(weight: torch.Tensor, config: QuantConfig) -> torch.Tensor:
         raise ValueError("weight contains NaN or Inf; quantization needs finite values")
     out, in_features = w.shape
     gs = config.resolve_group_size(in_features)
-    return w.reshape(out, in_features // gs, gs)
+    return pad_to_groups(w, config).reshape(out, config.n_groups(in_features), gs)
 
 
 def choose_qparams(weight: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +168,7 @@ def quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, conf
     out, n_groups, _ = groups.shape
     _check_qparams(scale, zero, out, n_groups)
     q = torch.round(groups / scale.to(torch.float32)[..., None]) + zero.to(torch.float32)[..., None]
-    return q.clamp(0, config.maxq).to(torch.uint8).reshape(weight.shape)
+    return q.clamp(0, config.maxq).to(torch.uint8).reshape(out, -1)[:, :weight.shape[1]]
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, config: QuantConfig,
@@ -170,11 +176,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, config:
     """``(q - zero) * scale`` computed in float32 (the order GPTQ kernels use), returned as ``dtype``."""
     _check_codes(q, config)
     out, in_features = q.shape
-    gs = config.resolve_group_size(in_features)
-    _check_qparams(scale, zero, out, in_features // gs)
-    groups = q.reshape(out, in_features // gs, gs).to(torch.float32)
+    gs, n_groups = config.resolve_group_size(in_features), config.n_groups(in_features)
+    _check_qparams(scale, zero, out, n_groups)
+    groups = pad_to_groups(q.to(torch.float32), config).reshape(out, n_groups, gs)
     w = (groups - zero.to(torch.float32)[..., None]) * scale.to(torch.float32)[..., None]
-    return w.reshape(out, in_features).to(dtype)
+    return w.reshape(out, -1)[:, :in_features].to(dtype)
 
 
 def _check_codes(q: torch.Tensor, config: QuantConfig) -> None:

@@ -132,6 +132,7 @@ class QuantLinear(torch.nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size, self.kernel = bits, group_size, kernel  # group_size resolved (-1 -> in)
         self.kernel_group_size = None  # int4pack: the group the kernel runs with
+        self.kernel_in = in_features  # int4pack: the input width the kernel runs (a ragged last group padded)
         self.kernel_max_rows = KERNEL_MAX_ROWS.get(kernel, 0)
         self._code_layout = None  # dequant path: "int4_rows", "int2_rows" or "uint8"; int4pack: "packed"/"int4_rows"
         self.bias: torch.Tensor | None
@@ -149,7 +150,7 @@ class QuantLinear(torch.nn.Module):
         out_f, in_f = codes.shape
         if qw.g_idx is None:
             gs = config.resolve_group_size(in_f)
-            n_groups = in_f // gs
+            n_groups = config.n_groups(in_f)  # the last group ragged where gs does not divide in_f
         else:
             if tuple(qw.g_idx.shape) != (in_f,):
                 raise ValueError(f"g_idx must have shape ({in_f},), got {tuple(qw.g_idx.shape)}")
@@ -171,7 +172,7 @@ class QuantLinear(torch.nn.Module):
             if (config.bits == 8 and config.symmetric and n_groups == 1 and in_f % INT8_BF16_K_MULTIPLE == 0
                     and bool((zero == 128).all())):
                 kernel = "int8pack"
-            elif config.bits == 4 and _int4_kernel_group(out_f, in_f, gs) is not None:
+            elif config.bits == 4 and _int4_kernel_group(out_f, _padded(in_f, gs), gs) is not None:
                 kernel = "int4pack"
         self = cls(in_f, out_f, config.bits, gs, kernel)
         if qw.bias is not None:
@@ -184,7 +185,11 @@ class QuantLinear(torch.nn.Module):
             self.register_buffer("scale_bf16", s.to(FAST_DTYPE).contiguous())  # the kernel's (bf16) scales
             self.register_buffer("scale", s.contiguous())  # exact, for the fp32 path
         elif kernel == "int4pack":
-            kg = _int4_kernel_group(out_f, in_f, gs)
+            # a ragged last group (SmolLM2's 576 at g128) runs zero-padded to a whole one: the padded codes multiply
+            # the zeros appended to x, so any code will do (the kernel needs in % group == 0)
+            self.kernel_in = _padded(in_f, gs)
+            codes = F.pad(codes, (0, self.kernel_in - in_f))
+            kg = _int4_kernel_group(out_f, self.kernel_in, gs)
             self.kernel_group_size = kg
             rep = gs // kg  # per-channel weights: the kernel runs a smaller group with the scales repeated
             ks = scale.repeat_interleave(rep, dim=1)
@@ -194,7 +199,7 @@ class QuantLinear(torch.nn.Module):
             self.register_buffer("weight_int4pack", packed)
             self.register_buffer("scales_and_zeros", sz)  # [in/kg, out, 2] bf16
             self._register_exact_qparams(scale, zero, transposed=True)
-            if torch.equal(_decode_int4pack(packed, out_f, in_f, 0, out_f), codes.t()):
+            if torch.equal(_decode_int4pack(packed, out_f, self.kernel_in, 0, out_f), codes.t()):
                 self._code_layout = "packed"  # the fp32 path reads the kernel's own bytes
             else:  # an unknown packed layout (e.g. AVX512's): keep a portable copy for the fp32 path
                 self._code_layout = "int4_rows"
@@ -259,6 +264,8 @@ class QuantLinear(torch.nn.Module):
             if xb.data_ptr() % _ALIGN:
                 xb = xb.clone()
             return torch.ops.aten._weight_int8pack_mm(xb, self.weight_int8, self.scale_bf16)
+        if self.kernel_in != self.in_features:
+            xb = F.pad(xb, (0, self.kernel_in - self.in_features))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.weight_int4pack, self.kernel_group_size,
                                                           self.scales_and_zeros)
 
@@ -284,18 +291,20 @@ class QuantLinear(torch.nn.Module):
         if self.kernel == "int8pack":
             w = torch.mul(self.weight_int8[n0:n1], self.scale[n0:n1, None], out=buf.view(n, k))
         elif self.kernel == "int4pack":  # built as W.T [in, n] so the packed layout is read in order
-            wt = buf.view(k, n)
+            kp = self.kernel_in  # in, or in padded to a whole last group
+            buf = buf if kp == k else torch.empty(n * kp, device=self.scale.device)
+            wt = buf.view(kp, n)
             if self._code_layout == "packed":
-                _decode_int4pack(self.weight_int4pack, self.out_features, k, n0, n1, out=wt)
+                _decode_int4pack(self.weight_int4pack, self.out_features, kp, n0, n1, out=wt)
             else:
-                wt.copy_(_unpack_rows(self.codes[n0:n1], "int4_rows", k).t())
-            g = wt.view(k // gs, gs, n)
+                wt.copy_(_unpack_rows(self.codes[n0:n1], "int4_rows", kp).t())
+            g = wt.view(kp // gs, gs, n)
             g.sub_(self.zero[:, n0:n1].float()[:, None]).mul_(self.scale[:, None, n0:n1])
-            w = wt.t()
+            w = wt[:k].t()
         else:
             w = _unpack_rows(self.codes[n0:n1], self._code_layout, k, out=buf.view(n, k))
-            if hasattr(self, "g_idx"):
-                gi = self.g_idx.long()
+            if hasattr(self, "g_idx") or k % gs:  # act-order, or a ragged last group: each column's group
+                gi = self.g_idx.long() if hasattr(self, "g_idx") else torch.arange(k, device=w.device) // gs
                 w.sub_(self.zero[n0:n1].float()[:, gi]).mul_(self.scale[n0:n1][:, gi])
             else:
                 w.view(n, k // gs, gs).sub_(self.zero[n0:n1].float()[:, :, None]).mul_(self.scale[n0:n1, :, None])
@@ -351,6 +360,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+
+def _padded(in_f: int, gs: int) -> int:
+    """in_f rounded up to a whole number of groups of gs."""
+    return -(-in_f // gs) * gs
 
 
 def _int4_kernel_group(out_f: int, in_f: int, gs: int) -> int | None:

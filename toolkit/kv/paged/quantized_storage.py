@@ -378,7 +378,7 @@ def _quant_cfg(kv_cfg):
     if cfg.hierarchical:
         raise InputError("kv.hierarchical=true is not supported by the paged cache",
                          "use kv.hierarchical=false with paged serving")
-    if cfg.dequant != "full":
+    if cfg.dequant == "cached":  # full and torch: the paged cache dequantizes with torch ops either way
         raise InputError(f"kv.dequant={cfg.dequant!r} is not supported by the paged cache", "use kv.dequant=full")
     if cfg.sink or cfg.pre_rope:  # defaults (sink 1; pre_rope at 2 bits), so a log line rather than a refusal
         level = logging.WARNING if cfg.pre_rope else logging.INFO  # at 2 bits the missing pre-RoPE costs quality

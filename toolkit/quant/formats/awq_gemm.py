@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.quant.formats.common import ExportError, require
+from toolkit.quant.formats.common import ExportError, ragged_fix, ragged_message, require
 from toolkit.quant.model_quant import METHODS, QuantizedStateDict, QuantRecipe
 from toolkit.quant.primitives import QuantConfig, gptq_scales
 from toolkit.quant.quantized_weight import QuantizedWeight
@@ -60,6 +60,8 @@ def check_exportable(qsd: QuantizedStateDict) -> None:
         if qw.config.group_size == -1:
             raise ExportError(f"{name}: one group per output channel (group_size=-1); AWQ GEMM needs groups",
                               "export format=gptq, or re-quantize with group_size 32/64/128")
+        if not qw.config.divides(qw.in_features):
+            raise ExportError(ragged_message(name, qw, "AWQ"), ragged_fix(qw))
         trivial = torch.arange(qw.in_features) // qw.config.group_size
         if qw.g_idx is not None and not torch.equal(qw.g_idx.cpu().long(), trivial):
             raise ExportError(f"{name}: act-order (g_idx) weights; AWQ GEMM has no g_idx",

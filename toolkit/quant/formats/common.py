@@ -36,6 +36,20 @@ class ExportError(ModelError):
     """A checkpoint that the requested format cannot hold (bits, groups, zero points, layer selection)."""
 
 
+def ragged_message(name: str, qw, fmt: str) -> str:
+    """Why a layer with a ragged last group (group size not dividing in_features) is not exported."""
+    gs = qw.config.group_size
+    return (f"{name}: in_features={qw.in_features} is not a multiple of group_size={gs}: its last group holds "
+            f"{qw.in_features % gs} columns, which specquant runs (zero-padded) but the {fmt} kernels of "
+            f"transformers, vLLM and gptqmodel expect whole groups")
+
+
+def ragged_fix(qw) -> str:
+    fits = [g for g in (128, 64, 32) if g < qw.config.group_size and qw.in_features % g == 0]
+    return (f"quantize with group_size={fits[0]} for export" if fits else
+            "quantize with group_size=-1 for export") + " (this checkpoint still loads in specquant as it is)"
+
+
 # ------------------------------------------------------------------------------------------ detection
 
 

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from toolkit.quant.formats.common import ExportError, require
+from toolkit.quant.formats.common import ExportError, ragged_fix, ragged_message, require
 from toolkit.quant.model_quant import QuantizedStateDict, QuantRecipe
 from toolkit.quant.primitives import QuantConfig, gptq_scales, pack_gptq, unpack_gptq
 from toolkit.quant.quantized_weight import QuantizedWeight
@@ -52,6 +52,8 @@ def check_exportable(qsd: QuantizedStateDict) -> None:
             if n % step:
                 raise ExportError(f"{name}: {what}={n} is not a multiple of {step}, which GPTQ packing at {bits} bits "
                                   f"needs", "skip that layer when quantizing (recipe.skip)")
+        if not qw.config.divides(qw.in_features):
+            raise ExportError(ragged_message(name, qw, "GPTQ"), ragged_fix(qw))
         if not qw.config.symmetric and bool((qw.zero == 0).any()):
             count = int((qw.zero == 0).sum())
             raise ExportError(
