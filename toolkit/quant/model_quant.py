@@ -7,8 +7,9 @@
 
 Which layers: every ``nn.Linear`` in the model except the output head (``lm_head``; embeddings are not Linear
 layers, so they are never candidates), the names that match ``recipe.skip``, those outside ``recipe.modules``
-(when given), and those whose ``in_features`` the group size does not divide. Every Linear left in float is
-reported in ``QuantizedStateDict.skipped`` with the reason, never dropped silently.
+(when given). A group size that does not divide ``in_features`` leaves a ragged last group (`QuantConfig.n_groups`),
+not a skipped layer. Every Linear left in float is reported in ``QuantizedStateDict.skipped`` with the reason, never
+dropped silently.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ zero points, and the bias, all as buffers. Which path a layer runs is recorded i
   asymmetric 8-bit weight cannot use it and takes ``"dequant"``).
 * ``"int4pack"`` -- bits=4, ``g_idx`` None or trivial, CPU, and the int4 kernel's shape rules hold (group size in
   32/64/128/256 -- a per-channel weight uses the largest of those dividing ``in_features`` with the scales
-  repeated --, ``in_features % group == 0``, ``out_features % 16 == 0``): ``aten._convert_weight_to_int4pack_for_cpu``
-  layout, the integer zero point mapped to the kernel's float zero ``(8 - zero) * scale``.
+  repeated --, ``out_features % 16 == 0``): ``aten._convert_weight_to_int4pack_for_cpu`` layout, the integer zero
+  point mapped to the kernel's float zero ``(8 - zero) * scale``. The kernel needs ``in_features % group == 0``; a
+  ragged last group (SmolLM2's 576 at 128) runs zero-padded: codes padded to the next whole group, x padded with
+  zeros on each call (``kernel_in``), so the padded codes never count.
 * ``"dequant"`` -- everything else (2/3 bits, 8-bit grouped or asymmetric, 4-bit shapes the kernel refuses,
   act-order ``g_idx``, non-CPU devices: the CUDA tinygemm packing is not implemented here). Codes are stored as
   ``uint8``: 4 bits two per byte (`pack_int4_rows`, low nibble first), 2 bits four per byte (code ``4j+i`` in bits
