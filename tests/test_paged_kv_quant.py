@@ -373,3 +373,27 @@ def test_a_storage_built_in_inference_mode_is_sealed_and_reset_outside_it(tiny_m
             cache.commit()
         cache.free(seq)
     assert seq.cached_tokens == 16 and cache.storage.is_sealed(cache.pool.lookup(0, tuple(prompt[:8])))
+
+
+@pytest.mark.parametrize("bits,dim,group", [(2, 16, 32), (4, 16, 8), (4, 64, 32), (2, 64, 64)])
+def test_the_fused_kernel_reads_sealed_blocks_as_the_torch_ops_do(bits, dim, group):
+    """The paged read through toolkit/kv/native.py (a gather of scattered slots) equals the torch ops bit for bit."""
+    from toolkit.kv import native
+
+    if native.kernel() is None:
+        pytest.skip("the KV kernel is not built here (no C compiler, or SPECQUANT_NO_KERNELS is set)")
+    reads = []
+    for fused in (True, False):
+        s = QuantizedBlockStorage(2, 8, 8, 3, dim, torch.float32, bits=bits, residual_tokens=0, staging_slots=8,
+                                  value_group=group, fused=fused)
+        assert s.fused == fused
+        for block in range(5):
+            s.reset_block(block)
+            _fill(s, block, seed=block)
+        for block in (1, 2, 4):
+            s.seal_block(block)
+        B = s.block_size
+        index = torch.tensor([[4 * B + 1, 1 * B, 0, 2 * B + 5, 4 * B + 7], [2 * B + 7, 3 * B, 1 * B + 3, 4 * B, 0]])
+        reads.append([s.gather(layer, index) for layer in range(2)])
+    for (fk, fv), (tk, tv) in zip(*reads):
+        assert torch.equal(fk, tk) and torch.equal(fv, tv)

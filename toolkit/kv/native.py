@@ -28,7 +28,8 @@ from toolkit.paths import home
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "dequant.c"
-# -ffp-contract=off: no fused multiply-add, so every product and sum rounds as torch's separate ops do (bit-equal)
+# -ffp-contract=off: the compiler fuses no multiply-add on its own, so every product and sum rounds as torch's separate
+# ops do (the one fused step, in the rotation, is an explicit fmaf where torch's addcmul_ fuses too): bit-equal
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 MAX_HEAD_DIM = 512  # the kernel's row buffer
 
@@ -84,7 +85,8 @@ def load(flags: tuple[str, ...] = tuple(FLAGS)):
     common = [p, i64, p, p, i64, p, i64, i, i, i, i, i, i]
     lib.sq_dequant_keys.argtypes = common + [p, p, i]
     lib.sq_dequant_values.argtypes = common
-    lib.sq_dequant_keys.restype = lib.sq_dequant_values.restype = i
+    lib.sq_dequant_gather.argtypes = [i, p, i64, p, p, p, p, i64, p, i64, i, i, i, i, i, i]
+    lib.sq_dequant_keys.restype = lib.sq_dequant_values.restype = lib.sq_dequant_gather.restype = i
     return lib
 
 
@@ -130,4 +132,27 @@ def dequantize(kind: str, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Te
         rc = lib.sq_dequant_values(*args)
     if rc:
         raise ValueError(f"the KV dequantization kernel refused head dim {D}, group {group}, {n} tokens")
+    return out
+
+
+def dequantize_gather(kind: str, codes: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
+                      out: torch.Tensor, bits: int, group: int = 0, scale_index: torch.Tensor | None = None,
+                      lib=None) -> torch.Tensor:
+    """The paged cache's read: codes [H, slots, D*bits/8] at positions `slots` [m] (int64) dequantized into `out`
+    [H, m, D]. kind "keys": scale/min [H, nb, D] with `scale_index` [m] the row of each token; "values": scale/min
+    [H, m, D/group] (already gathered per token)."""
+    lib = lib or kernel()
+    H, m, D = out.shape
+    if m == 0:
+        return out
+    s, mm = scale.float().reshape(H, -1).contiguous(), mn.float().reshape(H, -1).contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    index = None if scale_index is None else scale_index.to(torch.int64).contiguous()
+    if codes.stride(-1) != 1 or codes.stride(-2) != codes.shape[-1]:
+        codes = codes.contiguous()
+    rc = lib.sq_dequant_gather(0 if kind == "keys" else 1, _ptr(codes), codes.stride(0), _ptr(slots), _ptr(index),
+                               _ptr(s), _ptr(mm), s.shape[1], _ptr(out), out.stride(0),
+                               int(out.dtype == torch.bfloat16), H, m, D, bits, group or D)
+    if rc:
+        raise ValueError(f"the KV dequantization kernel refused a gather of head dim {D}, group {group}")
     return out

@@ -289,12 +289,12 @@ class QuantLinear(torch.nn.Module):
         would be page-faulted in by the OS each time, which here costs more than the dequantization itself
         (~0.5 ms for 1536x576). The scratch is at most ~16 MB per thread, shared by all layers."""
         k, gs, n = self.in_features, self.group_size, n1 - n0
-        buf = (torch.empty(n * k, device=self.scale.device) if fresh else _scratch(n * k, self.scale.device))
+        size = n * self.kernel_in  # n * k, or more for int4pack with a ragged last group (decoded padded)
+        buf = (torch.empty(size, device=self.scale.device) if fresh else _scratch(size, self.scale.device))
         if self.kernel == "int8pack":
             w = torch.mul(self.weight_int8[n0:n1], self.scale[n0:n1, None], out=buf.view(n, k))
         elif self.kernel == "int4pack":  # built as W.T [in, n] so the packed layout is read in order
             kp = self.kernel_in  # in, or in padded to a whole last group
-            buf = buf if kp == k else torch.empty(n * kp, device=self.scale.device)
             wt = buf.view(kp, n)
             if self._code_layout == "packed":
                 _decode_int4pack(self.weight_int4pack, self.out_features, kp, n0, n1, out=wt)

@@ -104,12 +104,15 @@ static inline void token(int kind, const uint8_t *restrict code, const float *re
 #define CHUNK 64 /* tokens per unit of work; keys: a multiple of it or of the group lies in one group */
 
 /* kind 0: keys (scale per G tokens and channel), kind 1: values (scale per token and vg channels). */
+/* slot (gather, the paged cache): token t's codes are at position slot[t] of the row, and a key's scales at
+ * scale row kidx[t] (values: their scales already gathered, one row per token). NULL: positions 0..tokens-1. */
 static void dequant(int kind, const uint8_t *codes, int64_t code_row_stride, const float *scale, const float *mn,
                     int64_t scale_row_stride, void *out, int64_t out_row_stride, int bf16, int rows, int tokens,
-                    int D, int bits, int group, const float *cos, const float *sin, int pairs) {
+                    int D, int bits, int group, const float *cos, const float *sin, int pairs, const int64_t *slot,
+                    const int64_t *kidx) {
     const int nb = D * bits / 8;
     const int64_t esize = bf16 ? 2 : 4;
-    const int chunk = kind == 0 && group < CHUNK ? group : CHUNK, per_row = (tokens + chunk - 1) / chunk;
+    const int chunk = kind == 0 && !kidx && group < CHUNK ? group : CHUNK, per_row = (tokens + chunk - 1) / chunk;
     /* two threads where the output is large: one core does not keep up; no division per token (slow on 64 bits) */
 #pragma omp parallel for schedule(static) if ((int64_t)rows * tokens * D > 32768)
     for (int64_t w = 0; w < (int64_t)rows * per_row; w++) {
@@ -121,9 +124,10 @@ static void dequant(int kind, const uint8_t *codes, int64_t code_row_stride, con
         const int64_t g = kind == 0 ? (int64_t)(t0 / group) * D : 0;
         const int per = D / group;
         for (int t = t0; t < t1; t++) {
-            const float *s = kind == 0 ? sr + g : sr + (int64_t)t * per;
-            const float *m = kind == 0 ? mr + g : mr + (int64_t)t * per;
-            token(kind, cr + (int64_t)t * nb, s, m, pairs ? cos + (int64_t)t * pairs : 0,
+            const int64_t ks = kidx ? kidx[t] * D : g, at = slot ? slot[t] : t;
+            const float *s = kind == 0 ? sr + ks : sr + (int64_t)t * per;
+            const float *m = kind == 0 ? mr + ks : mr + (int64_t)t * per;
+            token(kind, cr + at * nb, s, m, pairs ? cos + (int64_t)t * pairs : 0,
                   pairs ? sin + (int64_t)t * pairs : 0, pairs, orow + (int64_t)t * D * esize, bf16, D, bits, group);
         }
     }
@@ -134,7 +138,7 @@ int sq_dequant_keys(const uint8_t *codes, int64_t code_row_stride, const float *
                     int bits, int group, const float *cos, const float *sin, int pairs) {
     if (D > 512 || tokens % group) return -1;
     dequant(0, codes, code_row_stride, scale, mn, scale_row_stride, out, out_row_stride, bf16, rows, tokens, D, bits,
-            group, cos, sin, cos ? pairs : 0);
+            group, cos, sin, cos ? pairs : 0, 0, 0);
     return 0;
 }
 
@@ -143,6 +147,17 @@ int sq_dequant_values(const uint8_t *codes, int64_t code_row_stride, const float
                       int D, int bits, int group) {
     if (D > 512 || D % group) return -1;
     dequant(1, codes, code_row_stride, scale, mn, scale_row_stride, out, out_row_stride, bf16, rows, tokens, D, bits,
-            group, 0, 0, 0);
+            group, 0, 0, 0, 0, 0);
+    return 0;
+}
+
+/* The paged cache's read: tokens at scattered slots of each row (see `dequant`). Keys: kidx[t] is the scale row
+ * of token t (its block among the distinct blocks read); values: scale rows gathered per token beforehand. */
+int sq_dequant_gather(int kind, const uint8_t *codes, int64_t code_row_stride, const int64_t *slot,
+                      const int64_t *kidx, const float *scale, const float *mn, int64_t scale_row_stride, void *out,
+                      int64_t out_row_stride, int bf16, int rows, int tokens, int D, int bits, int group) {
+    if (D > 512 || (kind == 1 && D % group) || (kind == 0 && !kidx)) return -1;
+    dequant(kind, codes, code_row_stride, scale, mn, scale_row_stride, out, out_row_stride, bf16, rows, tokens, D,
+            bits, group, 0, 0, 0, slot, kidx);
     return 0;
 }

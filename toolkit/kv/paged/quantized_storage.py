@@ -42,7 +42,7 @@ import torch
 
 from toolkit.engine.precision import model_precision
 from toolkit.errors import InputError
-from toolkit.kv import kv_kind, quant_config
+from toolkit.kv import kv_kind, native, quant_config
 from toolkit.kv.memory import model_kv_shape
 from toolkit.kv.paged.pool import OutOfBlocks
 from toolkit.kv.paged.storage import FPBlockStorage
@@ -61,7 +61,7 @@ class QuantizedBlockStorage:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device="cpu", *, bits: int, residual_tokens: int, staging_slots: int,
-                 value_group: int = 32, value_clip: bool = False):
+                 value_group: int = 32, value_clip: bool = False, fused: bool = True):
         if bits not in ALLOWED_BITS:
             raise InputError(f"kv.bits={bits} is not supported", f"use kv.bits one of {ALLOWED_BITS}")
         vg = min(value_group, head_dim)
@@ -77,6 +77,10 @@ class QuantizedBlockStorage:
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         self.bits, self.residual_tokens, self.value_group, self.staging_slots = bits, residual_tokens, vg, staging_slots
         self.clip_grid = CLIP_GRID if value_clip else None
+        # reads through the fused kernel (toolkit/kv/native.py) where it builds; plain 8-bit codes stay on torch's
+        # copy, as in the contiguous cache. False (kv.dequant=torch): torch ops, the same values
+        self.fused = (fused and bits < 8 and dtype in (torch.float32, torch.bfloat16)
+                      and torch.device(device).type == "cpu")
         H, D, NB = kv_heads, head_dim, num_blocks * block_size
         u8, f16 = dict(dtype=torch.uint8, device=device), dict(dtype=STORE_DTYPE, device=device)
         # zeroed, not empty: gathered padding columns are masked but still enter attention's matmul (storage.py)
@@ -260,6 +264,14 @@ class QuantizedBlockStorage:
         """Keys and values [H, m, D] of m sealed slots; `blocks`: their distinct blocks and each slot's rank there."""
         H, D, vg, m = self.kv_heads, self.head_dim, self.value_group, len(slots)
         distinct, rank = blocks
+        if self.fused and native.kernel() is not None:  # one pass per tensor, the same values as the ops below
+            k = torch.empty(H, m, D, dtype=self.dtype, device=self.device)
+            v = torch.empty_like(k)
+            native.dequantize_gather("keys", self.k_codes[layer], slots, self.k_scale[layer].index_select(1, distinct),
+                                     self.k_min[layer].index_select(1, distinct), k, self.bits, scale_index=rank)
+            native.dequantize_gather("values", self.v_codes[layer], slots, self.v_scale[layer].index_select(1, slots),
+                                     self.v_min[layer].index_select(1, slots), v, self.bits, vg)
+            return k, v
         kc = unpack(self.k_codes[layer].index_select(1, slots), self.bits)
         k_scale = self.k_scale[layer].index_select(1, distinct).float().index_select(1, rank)
         k_min = self.k_min[layer].index_select(1, distinct).float().index_select(1, rank)
@@ -378,7 +390,7 @@ def _quant_cfg(kv_cfg):
     if cfg.hierarchical:
         raise InputError("kv.hierarchical=true is not supported by the paged cache",
                          "use kv.hierarchical=false with paged serving")
-    if cfg.dequant == "cached":  # full and torch: the paged cache dequantizes with torch ops either way
+    if cfg.dequant == "cached":  # full: the fused kernel where it builds; torch: torch ops
         raise InputError(f"kv.dequant={cfg.dequant!r} is not supported by the paged cache", "use kv.dequant=full")
     if cfg.sink or cfg.pre_rope:  # defaults (sink 1; pre_rope at 2 bits), so a log line rather than a refusal
         level = logging.WARNING if cfg.pre_rope else logging.INFO  # at 2 bits the missing pre-RoPE costs quality
@@ -405,7 +417,7 @@ def paged_storage_for(model, kv_cfg, num_blocks: int, block_size: int = 16, stag
         staging_slots = min(num_blocks, staging_slots_for(block_size, cfg.residual, max_sequences, step_tokens,
                                                           prefill_tokens))
     return QuantizedBlockStorage(*dims, bits=cfg.bits, residual_tokens=cfg.residual, staging_slots=staging_slots,
-                                 value_group=cfg.group_size, value_clip=cfg.value_clip)
+                                 value_group=cfg.group_size, value_clip=cfg.value_clip, fused=cfg.dequant != "torch")
 
 
 def paged_cache_for(model, kv_cfg, num_blocks: int, block_size: int = 16, prefix_cache: bool = True,
