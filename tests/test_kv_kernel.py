@@ -11,7 +11,8 @@ from toolkit.kv.config import KVQuantConfig
 from toolkit.kv.quantized_cache import QuantizedKVLayer
 from toolkit.kv.rope import RotaryTable
 
-needs_kernel = pytest.mark.skipif(native.kernel() is None, reason="the KV kernel is not built here (no C compiler, or SPECQUANT_NO_KERNELS is set)")
+needs_kernel = pytest.mark.skipif(native.kernel() is None,
+                                  reason="the KV kernel is not built here (no C compiler, or SPECQUANT_NO_KERNELS set)")
 
 
 def _inv_freq(D: int) -> torch.Tensor:

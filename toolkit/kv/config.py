@@ -68,8 +68,9 @@ class KVQuantConfig:
 
     def flushed_tokens(self, length: int) -> int:
         """Keys held in groups when `length` are cached: the largest whole number of groups leaving at least
-        `residual` tokens out (the rest of the flushed keys are staged per token). A function of the length alone, so the state never depends on how
-        the tokens were chunked (prefill, decode, speculative verify): what makes crop-then-append exact."""
+        `residual` tokens out (the rest of the flushed keys are staged per token). A function of the length alone,
+        so the state never depends on how the tokens were chunked (prefill, decode, speculative verify): what makes
+        crop-then-append exact."""
         if length <= self.residual:
             return 0
         return (length - self.residual) // self.group_size * self.group_size

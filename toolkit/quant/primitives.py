@@ -92,11 +92,11 @@ def _valid_group_size(gs: int) -> bool:
 # --------------------------------------------------------------------------------------------- qparams
 
 
-def pad_to_groups(t: torch.Tensor, config: QuantConfig, value: float = 0) -> torch.Tensor:
-    """``t [out, in]`` with columns of ``value`` appended up to ``n_groups * group_size`` (a ragged last group)."""
+def pad_to_groups(t: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """``t [out, in]`` with zero columns appended up to ``n_groups * group_size`` (a ragged last group made whole)."""
     in_features = t.shape[1]
     pad = config.n_groups(in_features) * config.resolve_group_size(in_features) - in_features
-    return torch.nn.functional.pad(t, (0, pad), value=value) if pad else t
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
 
 
 def _as_groups(weight: torch.Tensor, config: QuantConfig) -> torch.Tensor:
