@@ -82,17 +82,14 @@ def load(flags: tuple[str, ...] = tuple(FLAGS)):
         log.warning("the KV dequantization kernel did not build (%s): using torch ops (slower, same values)", e)
         return None
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    common = [p, i64, p, p, i64, p, i64, i, i, i, i, i, i]
-    lib.sq_dequant_keys.argtypes = common + [p, p, i]
-    lib.sq_dequant_values.argtypes = common
-    lib.sq_dequant_gather.argtypes = [i, p, i64, p, p, p, p, i64, p, i64, i, i, i, i, i, i]
-    lib.sq_dequant_keys.restype = lib.sq_dequant_values.restype = lib.sq_dequant_gather.restype = i
+    lib.sq_dequant.argtypes = [i, p, i64, p, p, p, p, i64, p, i64, i, i, i, i, i, i, p, p, i]
+    lib.sq_dequant.restype = i
     return lib
 
 
 @lru_cache(maxsize=1)
 def kernel():
-    """The library the cache uses (functions sq_dequant_keys, sq_dequant_values), or None: see `load`."""
+    """The library the caches use (its function: sq_dequant), or None: see `load`."""
     return load()
 
 
@@ -107,32 +104,41 @@ def supported(out: torch.Tensor, bits: int) -> bool:
             and out.stride(0) == out.shape[1] * out.stride(1))
 
 
+def _run(kind: str, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, out: torch.Tensor, rows: int,
+         tokens: int, bits: int, group: int, slots=None, scale_index=None, cos=None, sin=None, lib=None) -> torch.Tensor:
+    """One call of sq_dequant: `codes`, `out` with `rows` rows of equal stride; scale/min flattened per row to fp32
+    (they are small: [n/G, D] or [n, D/vg] per row)."""
+    lib = lib or kernel()
+    D = out.shape[-1]
+    s, m = scale.float().reshape(rows, -1).contiguous(), mn.float().reshape(rows, -1).contiguous()
+    index = [None if t is None else t.to(torch.int64).contiguous() for t in (slots, scale_index)]
+    rope = [None if t is None else t.contiguous() for t in (cos, sin)]
+    rc = lib.sq_dequant(0 if kind == "keys" else 1, _ptr(codes), codes.stride(-3), *map(_ptr, index), _ptr(s),
+                        _ptr(m), s.shape[1], _ptr(out), out.stride(-3), int(out.dtype == torch.bfloat16), rows, tokens,
+                        D, bits, group, *map(_ptr, rope), 0 if cos is None else cos.shape[1])
+    if rc:
+        raise ValueError(f"the KV dequantization kernel refused head dim {D}, group {group}, {tokens} tokens")
+    return out
+
+
+def _rows_contiguous(codes: torch.Tensor) -> torch.Tensor:
+    """codes whose tokens and bytes are contiguous and whose leading dims collapse into one row stride."""
+    ok = codes.stride(-1) == 1 and codes.stride(-2) == codes.shape[-1]
+    if codes.dim() == 4:
+        ok = ok and codes.stride(0) == codes.shape[1] * codes.stride(1)
+    return codes if ok else codes.contiguous()
+
+
 def dequantize(kind: str, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, out: torch.Tensor, bits: int,
                group: int, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, lib=None) -> torch.Tensor:
     """codes [B, H, n, D*bits/8] (uint8; rows may be strided, tokens contiguous) dequantized into `out` [B, H, n, D]
     (checked with `supported`). kind "keys": scale/min [B, H, n/group, 1, D]; "values": [B, H, n, D/group, 1].
     cos/sin [n, pairs] (keys only): rotate pairs (i, i + D/2) back after scaling, as RotaryTable.rotate_ does.
     `lib`: a library from `load` (default: `kernel()`)."""
-    lib = lib or kernel()
-    B, H, n, D = out.shape
+    B, H, n, _ = out.shape
     if n == 0:
         return out
-    # the scales are small ([n/G, D] or [n, D/vg] per row): one fp32 contiguous copy
-    s = scale.float().reshape(B * H, -1).contiguous()
-    m = mn.float().reshape(B * H, -1).contiguous()
-    if codes.stride(-1) != 1 or codes.stride(-2) != codes.shape[-1] or codes.stride(0) != H * codes.stride(1):
-        codes = codes.contiguous()
-    args = [_ptr(codes), codes.stride(1), _ptr(s), _ptr(m), s.shape[1], _ptr(out), out.stride(1),
-            int(out.dtype == torch.bfloat16), B * H, n, D, bits, group]
-    if kind == "keys":
-        if cos is not None:
-            cos, sin = cos.contiguous(), sin.contiguous()
-        rc = lib.sq_dequant_keys(*args, _ptr(cos), _ptr(sin), 0 if cos is None else cos.shape[1])
-    else:
-        rc = lib.sq_dequant_values(*args)
-    if rc:
-        raise ValueError(f"the KV dequantization kernel refused head dim {D}, group {group}, {n} tokens")
-    return out
+    return _run(kind, _rows_contiguous(codes), scale, mn, out, B * H, n, bits, group, cos=cos, sin=sin, lib=lib)
 
 
 def dequantize_gather(kind: str, codes: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
@@ -141,18 +147,8 @@ def dequantize_gather(kind: str, codes: torch.Tensor, slots: torch.Tensor, scale
     """The paged cache's read: codes [H, slots, D*bits/8] at positions `slots` [m] (int64) dequantized into `out`
     [H, m, D]. kind "keys": scale/min [H, nb, D] with `scale_index` [m] the row of each token; "values": scale/min
     [H, m, D/group] (already gathered per token)."""
-    lib = lib or kernel()
     H, m, D = out.shape
     if m == 0:
         return out
-    s, mm = scale.float().reshape(H, -1).contiguous(), mn.float().reshape(H, -1).contiguous()
-    slots = slots.to(torch.int64).contiguous()
-    index = None if scale_index is None else scale_index.to(torch.int64).contiguous()
-    if codes.stride(-1) != 1 or codes.stride(-2) != codes.shape[-1]:
-        codes = codes.contiguous()
-    rc = lib.sq_dequant_gather(0 if kind == "keys" else 1, _ptr(codes), codes.stride(0), _ptr(slots), _ptr(index),
-                               _ptr(s), _ptr(mm), s.shape[1], _ptr(out), out.stride(0),
-                               int(out.dtype == torch.bfloat16), H, m, D, bits, group or D)
-    if rc:
-        raise ValueError(f"the KV dequantization kernel refused a gather of head dim {D}, group {group}")
-    return out
+    return _run(kind, _rows_contiguous(codes), scale, mn, out, H, m, bits, group or D, slots=slots,
+                scale_index=scale_index, lib=lib)

@@ -174,7 +174,7 @@ class QuantLinear(torch.nn.Module):
             if (config.bits == 8 and config.symmetric and n_groups == 1 and in_f % INT8_BF16_K_MULTIPLE == 0
                     and bool((zero == 128).all())):
                 kernel = "int8pack"
-            elif config.bits == 4 and _int4_kernel_group(out_f, _padded(in_f, gs), gs) is not None:
+            elif config.bits == 4 and _int4_kernel_group(out_f, n_groups * gs, gs) is not None:
                 kernel = "int4pack"
         self = cls(in_f, out_f, config.bits, gs, kernel)
         if qw.bias is not None:
@@ -189,7 +189,7 @@ class QuantLinear(torch.nn.Module):
         elif kernel == "int4pack":
             # a ragged last group (SmolLM2's 576 at g128) runs zero-padded to a whole one: the padded codes multiply
             # the zeros appended to x, so any code will do (the kernel needs in % group == 0)
-            self.kernel_in = _padded(in_f, gs)
+            self.kernel_in = n_groups * gs  # in_f, or in_f padded to whole groups (g_idx is trivial here)
             codes = F.pad(codes, (0, self.kernel_in - in_f))
             kg = _int4_kernel_group(out_f, self.kernel_in, gs)
             self.kernel_group_size = kg
@@ -218,6 +218,8 @@ class QuantLinear(torch.nn.Module):
             self._register_exact_qparams(scale, zero, transposed=False)
             if not trivial_g_idx:
                 self.register_buffer("g_idx", qw.g_idx.to(device=device, dtype=torch.int32).clone())
+            elif in_f % gs:  # a ragged last group: each column's group, as act-order weights keep theirs
+                self.register_buffer("g_idx", (torch.arange(in_f, device=device) // gs).to(torch.int32))
         return self
 
     def _register_exact_qparams(self, scale: torch.Tensor, zero: torch.Tensor, transposed: bool) -> None:
@@ -305,8 +307,8 @@ class QuantLinear(torch.nn.Module):
             w = wt[:k].t()
         else:
             w = _unpack_rows(self.codes[n0:n1], self._code_layout, k, out=buf.view(n, k))
-            if hasattr(self, "g_idx") or k % gs:  # act-order, or a ragged last group: each column's group
-                gi = self.g_idx.long() if hasattr(self, "g_idx") else torch.arange(k, device=w.device) // gs
+            if hasattr(self, "g_idx"):  # act-order, or a ragged last group: each column's group
+                gi = self.g_idx.long()
                 w.sub_(self.zero[n0:n1].float()[:, gi]).mul_(self.scale[n0:n1][:, gi])
             else:
                 w.view(n, k // gs, gs).sub_(self.zero[n0:n1].float()[:, :, None]).mul_(self.scale[n0:n1, :, None])
@@ -362,11 +364,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def _padded(in_f: int, gs: int) -> int:
-    """in_f rounded up to a whole number of groups of gs."""
-    return -(-in_f // gs) * gs
 
 
 def _int4_kernel_group(out_f: int, in_f: int, gs: int) -> int | None:

@@ -103,9 +103,8 @@ static inline void token(int kind, const uint8_t *restrict code, const float *re
 
 #define CHUNK 64 /* tokens per unit of work; keys: a multiple of it or of the group lies in one group */
 
-/* kind 0: keys (scale per G tokens and channel), kind 1: values (scale per token and vg channels). */
-/* slot (gather, the paged cache): token t's codes are at position slot[t] of the row, and a key's scales at
- * scale row kidx[t] (values: their scales already gathered, one row per token). NULL: positions 0..tokens-1. */
+/* kind 0: keys (scale per G tokens and channel), kind 1: values (scale per token and vg channels). slot, kidx: see
+ * `sq_dequant`. */
 static void dequant(int kind, const uint8_t *codes, int64_t code_row_stride, const float *scale, const float *mn,
                     int64_t scale_row_stride, void *out, int64_t out_row_stride, int bf16, int rows, int tokens,
                     int D, int bits, int group, const float *cos, const float *sin, int pairs, const int64_t *slot,
@@ -133,31 +132,15 @@ static void dequant(int kind, const uint8_t *codes, int64_t code_row_stride, con
     }
 }
 
-int sq_dequant_keys(const uint8_t *codes, int64_t code_row_stride, const float *scale, const float *mn,
-                    int64_t scale_row_stride, void *out, int64_t out_row_stride, int bf16, int rows, int tokens, int D,
-                    int bits, int group, const float *cos, const float *sin, int pairs) {
-    if (D > 512 || tokens % group) return -1;
-    dequant(0, codes, code_row_stride, scale, mn, scale_row_stride, out, out_row_stride, bf16, rows, tokens, D, bits,
-            group, cos, sin, cos ? pairs : 0, 0, 0);
-    return 0;
-}
-
-int sq_dequant_values(const uint8_t *codes, int64_t code_row_stride, const float *scale, const float *mn,
-                      int64_t scale_row_stride, void *out, int64_t out_row_stride, int bf16, int rows, int tokens,
-                      int D, int bits, int group) {
-    if (D > 512 || D % group) return -1;
-    dequant(1, codes, code_row_stride, scale, mn, scale_row_stride, out, out_row_stride, bf16, rows, tokens, D, bits,
-            group, 0, 0, 0, 0, 0);
-    return 0;
-}
-
-/* The paged cache's read: tokens at scattered slots of each row (see `dequant`). Keys: kidx[t] is the scale row
- * of token t (its block among the distinct blocks read); values: scale rows gathered per token beforehand. */
-int sq_dequant_gather(int kind, const uint8_t *codes, int64_t code_row_stride, const int64_t *slot,
-                      const int64_t *kidx, const float *scale, const float *mn, int64_t scale_row_stride, void *out,
-                      int64_t out_row_stride, int bf16, int rows, int tokens, int D, int bits, int group) {
-    if (D > 512 || (kind == 1 && D % group) || (kind == 0 && !kidx)) return -1;
+/* The one entry point. Contiguous reads (the engine's cache): slot = kidx = NULL, the keys' scales per `group`
+ * tokens. Gathers (the paged cache): token t's codes at slot[t]; a key's scales at row kidx[t] (its block among the
+ * distinct blocks read), values' scales gathered per token beforehand. cos/sin: pre-RoPE keys only, else NULL. */
+int sq_dequant(int kind, const uint8_t *codes, int64_t code_row_stride, const int64_t *slot, const int64_t *kidx,
+               const float *scale, const float *mn, int64_t scale_row_stride, void *out, int64_t out_row_stride,
+               int bf16, int rows, int tokens, int D, int bits, int group, const float *cos, const float *sin,
+               int pairs) {
+    if (D > 512 || group <= 0 || (kind == 1 && D % group) || (kind == 0 && !kidx && tokens % group)) return -1;
     dequant(kind, codes, code_row_stride, scale, mn, scale_row_stride, out, out_row_stride, bf16, rows, tokens, D,
-            bits, group, 0, 0, 0, slot, kidx);
+            bits, group, cos, sin, cos ? pairs : 0, slot, kidx);
     return 0;
 }
