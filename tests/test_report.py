@@ -225,6 +225,13 @@ def test_spec_and_peer_rows_show_speedups_acceptance_and_the_reference_quality()
     assert "| 1.90 [s" in line and "0.40 (2.5/round)" in line and "50.0 mean" not in line and "16.7 mean" in line
     assert "| 1.60 (outputs differ) [s" in next(li for li in text.splitlines() if "kv int8, spec lookup" in li)
     assert "peer: transformers assisted generation (prompt lookup, k=8)" in text
+    # a spec=draft bench adds its own peer row beside the prompt-lookup one, not in its place
+    drafted = _spec_bench("fp", 40.0, 1.3, peer=True)
+    drafted["config"]["spec"] = {"kind": "draft", "model": "smollm2-135m"}
+    drafted["spec"] = "draft"
+    drafted["peer_assisted"]["draft"] = "smollm2-135m"
+    both = [r.label for r in build_rows(results + [drafted]) if r.peer]
+    assert len(both) == 3 and any("(draft model smollm2-135m)" in label for label in both)
     assert recommend(rows, 0.1)[0].peer is False  # peers are shown, never recommended
     notes = peer_notes(rows)
     assert len(notes) == 1 and notes[0].startswith("llama.cpp")  # both transformers peers are there

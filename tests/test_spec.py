@@ -278,6 +278,33 @@ def test_lookup_proposes_what_followed_the_latest_match():
         LookupDraft(ngram_max=1, ngram_min=2)
 
 
+def test_lookup_scaled_by_match_proposes_fewer_tokens_after_a_shorter_match():
+    context = [5, 6, 7, 1, 2, 3, 4, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+    plain, scaled = LookupDraft(ngram_max=3), LookupDraft(ngram_max=3, scale_by_match=True)
+    # "... 2 3 4" matches 3 tokens: the full k either way
+    assert scaled.lookup(context + [2, 3, 4], 9) == plain.lookup(context + [2, 3, 4], 9) == context[7:16]
+    # "... 0 3 4" matches 2 tokens: k * 2 / 3 rounded (6 of 9, 5 of 8: 16 / 3 = 5.33)
+    assert scaled.lookup(context + [0, 3, 4], 9) == context[7:13]
+    assert scaled.lookup(context + [0, 3, 4], 8) == context[7:12]
+    # "... 0 0 4" matches 1 token: a third of k, and never fewer than one token
+    assert scaled.lookup(context + [0, 0, 4], 9) == context[7:10]
+    assert scaled.lookup(context + [0, 0, 4], 1) == [8]
+    assert plain.lookup(context + [0, 0, 4], 9) == context[7:16]
+    assert scaled.lookup(context + [0, 0, 99], 9) == []
+
+
+def test_the_lookup_options_reach_the_draft_in_generate_bench_and_serve():
+    from omegaconf import OmegaConf
+
+    from toolkit.serve.speculation import serve_spec
+    from toolkit.spec.build import build_draft
+
+    node = OmegaConf.create({"kind": "lookup", "k": 6, "ngram_max": 4, "ngram_min": 2, "scale_by_match": True})
+    for draft in (build_draft(node, None, None), serve_spec(node).draft):
+        assert (draft.ngram_max, draft.ngram_min, draft.scale_by_match) == (4, 2, True)
+    assert build_draft("lookup", None, None).scale_by_match is True  # the conf default, for a bare kind name too
+
+
 def test_adaptive_length_grows_on_full_acceptance_and_shrinks_on_rejection():
     length = DraftLength(k=3, adaptive=True, k_min=2, k_max=5)
     assert [length.next(k, full) for k, full in [(3, True), (5, True), (3, False), (2, False)]] == [4, 5, 2, 2]
@@ -313,6 +340,22 @@ def test_transformers_assisted_lookup_peer_runs_greedy_and_matches_its_plain_gen
     for path in ("generate", "assisted"):
         assert peer[path]["runs"] == 2 and peer[path]["tokens_per_s"] > 0 and peer[path]["ttft_ms"] > 0
     assert peer["speedup_vs_generate"] > 0
+
+
+def test_transformers_assisted_draft_peer_runs_the_draft_model_and_matches_its_plain_generate(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.bench.peers import assisted_draft_peer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    calls = []
+    assistant.register_forward_hook(lambda *args: calls.append(1))
+    peer = assisted_draft_peer(model, assistant, [list(range(20, 60))], new_tokens=12, repeats=1, warmup=0)
+    assert peer["identical_outputs"] is True and calls  # the assistant really drafted
+    assert peer["assistant_settings"]["num_assistant_tokens"] == 20  # transformers' default, reported as such
+    for path in ("generate", "assisted"):
+        assert peer[path]["runs"] == 1 and peer[path]["tokens_per_s"] > 0
 
 
 def test_self_draft_of_a_quantized_target_requantizes_wider_codes_and_keeps_narrower_ones(llama_and_gemma):

@@ -126,17 +126,36 @@ def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_token
                              kv=kv)
     figures = {"model": loaded.name, "prompts": prompts, "threads": torch.get_num_threads(), "spec": spec_cfg.kind,
                "draft": describe_draft(draft), "k": length.k, "adaptive": length.adaptive, **figures}
-    if baseline == "hf" and not is_quantized_model(model_name) and spec_cfg.kind == "lookup" and kv_kind(kv) == "fp":
-        from toolkit.bench.peers import assisted_lookup_peer
-        from toolkit.engine.precision import prepare_model, resolve_precision
-        from toolkit.models import load_model
-
-        reference = load_model(model_name).model.eval()
-        prepare_model(reference, resolve_precision(baseline_dtype))
-        figures["peer_assisted"] = {"model": model_name, "dtype": baseline_dtype,
-                                    **assisted_lookup_peer(reference, prompt_ids, new_tokens, length.k, repeats,
-                                                           warmup)}
+    if baseline == "hf" and not is_quantized_model(model_name) and kv_kind(kv) == "fp":
+        figures.update(_peer(model_name, spec_cfg, prompt_ids, new_tokens, length, repeats, warmup, baseline_dtype))
     return make_result("bench", config, figures, machine)
+
+
+def _peer(model_name: str, spec_cfg, prompt_ids, new_tokens: int, length: DraftLength, repeats: int, warmup: int,
+          baseline_dtype: str) -> dict:
+    """{"peer_assisted": ...}: transformers' assisted generation with the same kind of draft on the float models
+    (toolkit.bench.peers), for spec=lookup and for spec=draft with a float draft model; {} otherwise."""
+    from toolkit.bench.peers import assisted_draft_peer, assisted_lookup_peer
+    from toolkit.engine.precision import prepare_model, resolve_precision
+    from toolkit.models import load_model
+
+    draft_name = str(spec_cfg.get("model") or "") if spec_cfg.kind == "draft" else ""
+    if spec_cfg.kind not in ("lookup", "draft") or (spec_cfg.kind == "draft" and is_quantized_model(draft_name)):
+        return {}
+
+    def reference(name):
+        model = load_model(name).model.eval()
+        prepare_model(model, resolve_precision(baseline_dtype))
+        return model
+
+    target = reference(model_name)
+    peer = {"model": model_name, "dtype": baseline_dtype}
+    if spec_cfg.kind == "lookup":
+        return {"peer_assisted": {**peer, **assisted_lookup_peer(target, prompt_ids, new_tokens, length.k, repeats,
+                                                                  warmup)}}
+    return {"peer_assisted": {**peer, "draft": draft_name,
+                              **assisted_draft_peer(target, reference(draft_name), prompt_ids, new_tokens, repeats,
+                                                    warmup)}}
 
 
 def print_spec_table(result: dict, console) -> None:
@@ -159,8 +178,15 @@ def print_spec_table(result: dict, console) -> None:
     console.print(f"kept drafted tokens per round (histogram): {result['accepted_histogram']}", style="dim")
     if peer := result.get("peer_assisted"):
         console.print(f"peer, transformers on {peer['model']} {peer['dtype']}: assisted generation "
-                      f"(prompt_lookup_num_tokens={peer['k']}) {peer['assisted']['tokens_per_s']:.1f} tok/s vs its "
+                      f"({_assisted_how(peer)}) {peer['assisted']['tokens_per_s']:.1f} tok/s vs its "
                       f"plain generate() {peer['generate']['tokens_per_s']:.1f} tok/s = "
                       f"{peer['speedup_vs_generate']:.2f}x | ours (spec) over its assisted: "
                       f"[bold]{result['spec_tokens_per_s'] / peer['assisted']['tokens_per_s']:.2f}x[/] | identical "
                       f"outputs: {peer['identical_outputs']}")
+
+
+def _assisted_how(peer: dict) -> str:
+    if "draft" in peer:
+        settings = ", ".join(f"{k}={v}" for k, v in peer["assistant_settings"].items())
+        return f"assistant_model={peer['draft']}, {settings}"
+    return f"prompt_lookup_num_tokens={peer['k']}"

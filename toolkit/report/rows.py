@@ -120,8 +120,8 @@ def peer_rows(results: list[dict], rows: dict) -> list[Row]:
             continue
         if spec == "none" and "baseline" in result:
             latest["generate"] = (model, result)
-        if "peer_assisted" in result:
-            latest["assisted"] = (model, result)
+        if "peer_assisted" in result:  # one row per kind of draft: prompt lookup, a draft model
+            latest["assisted-draft" if "draft" in result["peer_assisted"] else "assisted"] = (model, result)
     out = []
     for name, (model, result) in sorted(latest.items(), key=lambda item: item[0] != "generate"):
         quality_row = rows.get((model, "fp", "none"))
@@ -130,8 +130,8 @@ def peer_rows(results: list[dict], rows: dict) -> list[Row]:
             label = f"peer: transformers generate(), {model} {peer.get('dtype', 'fp32')}"
             speed = {k: peer[k] for k in ("decode_tokens_per_s", "ttft_ms", "itl_ms") if k in peer}
         else:
-            label = (f"peer: transformers assisted generation (prompt lookup, k={peer['k']}), {model} "
-                     f"{peer['dtype']}")
+            how = f"draft model {peer['draft']}" if "draft" in peer else f"prompt lookup, k={peer['k']}"
+            label = f"peer: transformers assisted generation ({how}), {model} {peer['dtype']}"
             speed = {**{k: peer["assisted"][k] for k in ("decode_tokens_per_s", "ttft_ms")},
                      "itl_ms": {"mean": 1000 / peer["assisted"]["decode_tokens_per_s"]},
                      "speedup_vs_nospec": peer["speedup_vs_generate"], "identical_outputs": peer["identical_outputs"]}
@@ -139,7 +139,7 @@ def peer_rows(results: list[dict], rows: dict) -> list[Row]:
                     f"{result.get('new_tokens', '?')} new tokens, {peer.get('runs', result.get('runs', '?'))} runs, "
                     f"{result.get('threads', '?')} threads, transformers on {model} {peer.get('dtype', 'fp32')} "
                     f"with its own cache, interleaved with our engine's run")
-        if name == "assisted":
+        if name.startswith("assisted"):
             protocol += ("; x no-spec: over transformers' own generate() interleaved with it; TTFT: its first "
                          "streamed chunk")
         row = Row(model, "transformers", name, label=label, speed=speed, peer=True, speed_protocol=protocol)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.errors import InputError
-from toolkit.spec.build import draft_length, spec_kind
+from toolkit.spec.build import draft_length, lookup_draft, spec_kind
 from toolkit.spec.decode import DraftLength
 from toolkit.spec.drafts import LookupDraft
 from toolkit.spec.verify import verify
@@ -53,9 +53,7 @@ def serve_spec(spec_cfg, max_batch: int = 4) -> ServeSpec | None:
     if max_batch < 1:
         raise InputError(f"spec_max_batch must be >= 1, got {max_batch}", "set spec_max_batch= to a positive number "
                                                                           "(or spec=none)")
-    get = (lambda key, default: default) if isinstance(spec_cfg, str) else spec_cfg.get
-    draft = LookupDraft(int(get("ngram_max", 3)), int(get("ngram_min", 1)))
-    return ServeSpec(draft, draft_length(spec_cfg), max_batch)
+    return ServeSpec(lookup_draft(spec_cfg), draft_length(spec_cfg), max_batch)
 
 
 def check_kv(spec: ServeSpec | None, residual_tokens: int | None) -> None:

@@ -37,13 +37,19 @@ def draft_length(spec_cfg) -> DraftLength:
                        k_min=int(_get(spec_cfg, "k_min", 1)), k_max=int(_get(spec_cfg, "k_max", 8)))
 
 
+def lookup_draft(spec_cfg) -> LookupDraft:
+    """The prompt-lookup draft a `spec=lookup` node describes (a bare kind name gets the defaults)."""
+    return LookupDraft(int(_get(spec_cfg, "ngram_max", 3)), int(_get(spec_cfg, "ngram_min", 1)),
+                       bool(_get(spec_cfg, "scale_by_match", True)))
+
+
 def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = None, engine_cfg=None):
     """The draft `spec_cfg` describes, for `target` (a prepared engine model) and its tokenizer; None for none."""
     kind = spec_kind(spec_cfg)
     if kind == "none":
         return None
     if kind == "lookup":
-        return LookupDraft(int(_get(spec_cfg, "ngram_max", 3)), int(_get(spec_cfg, "ngram_min", 1)))
+        return lookup_draft(spec_cfg)
     common = {"sampling": sampling or SamplingParams(), "target_vocab": _vocab(target), "kv": _get(spec_cfg, "kv"),
               "min_confidence": float(_get(spec_cfg, "min_confidence", 0.0) or 0.0)}
     if kind == "self":
@@ -73,7 +79,8 @@ def describe_draft(draft) -> str:
     if draft is None:
         return "none"
     if isinstance(draft, LookupDraft):
-        return f"lookup (n-grams {draft.ngram_min}..{draft.ngram_max})"
+        scaled = ", length by match" if draft.scale_by_match else ""
+        return f"lookup (n-grams {draft.ngram_min}..{draft.ngram_max}{scaled})"
     from toolkit.spec.self_draft import describe
 
     return describe(draft.model)
