@@ -169,6 +169,24 @@ def test_quality_check_of_a_model_against_itself_is_exact(tiny_model):
     assert r["perplexity"] == pytest.approx(r["reference_perplexity"])
 
 
+def test_quality_check_exact_prefill_scores_int8_layers_without_activation_quantization(tiny_llama_dir, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "w8"
+    run = specquant("quantize", "recipe=smollm2-135m/rtn-w8", f"model={tiny_llama_dir}", f"output={out}")
+    assert run.returncode == 0, run.stderr
+
+    def kl(*flags):
+        done = subprocess.run([sys.executable, "-m", "toolkit.bench.quality", str(out), "--windows", "1",
+                               "--window-tokens", "96", *flags], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return float(done.stdout.split("KL ")[1].split(",")[0])
+
+    # the same int8 weights either way: only the 96-row products' activation quantization differs
+    assert kl("--exact-prefill") < 0.5 * kl()
+
+
 def test_recipe_name_resolves_and_output_key_and_summary(tiny_llama_dir, tmp_path):
     # a recipe NAME (recipes/<model>/<name>.yaml); model= and the group size are overridden for the tiny model
     out = tmp_path / "awq"

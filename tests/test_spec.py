@@ -41,6 +41,7 @@ def _prompts(n: int) -> list[str]:
 def _drafts(model, tokenizer, other):
     return {
         "lookup": lambda: LookupDraft(3, 1),
+        "lookup-scaled": lambda: LookupDraft(3, 1, scale_by_match=True),  # the config default
         "self-int4-1layer": lambda: ModelDraft(build_self_draft(model, layers=1, bits=4, group_size=32)),
         "self-all-layers": lambda: ModelDraft(build_self_draft(model, bits=None)),
         "other-model": lambda: ModelDraft(other, target_tokenizer=tokenizer, draft_tokenizer=tokenizer,
@@ -61,7 +62,7 @@ def _ids(result):
     return [s.token_ids for s in result.sequences]
 
 
-@pytest.mark.parametrize("draft_name", ["lookup", "self-int4-1layer", "self-all-layers", "other-model"])
+@pytest.mark.parametrize("draft_name", ["lookup", "lookup-scaled", "self-int4-1layer", "self-all-layers", "other-model"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_greedy_output_is_the_target_alone_one_sequence_at_a_time(llama_and_gemma, arch, draft_name):
     llama, gemma, tok = llama_and_gemma
@@ -75,7 +76,7 @@ def test_greedy_output_is_the_target_alone_one_sequence_at_a_time(llama_and_gemm
         assert out.sequences[0].token_ids == reference[i], (draft_name, i)
 
 
-@pytest.mark.parametrize("draft_name", ["lookup", "self-int4-1layer", "self-all-layers", "other-model"])
+@pytest.mark.parametrize("draft_name", ["lookup", "lookup-scaled", "self-int4-1layer", "self-all-layers", "other-model"])
 def test_a_batch_keeps_different_lengths_per_row_and_equals_each_row_alone(llama_and_gemma, draft_name):
     llama, gemma, tok = llama_and_gemma
     prompts = _prompts(6)
@@ -97,7 +98,8 @@ def test_quantized_kv_caches_roll_back_exactly(llama_and_gemma):
     prompts = _prompts(4)
     for kind in KINDS:
         reference = _ids(generate(llama, tok, prompts, 16, stop_tokens=set(), kv=kind))
-        for make in (LookupDraft, lambda kind=kind: ModelDraft(build_self_draft(llama, bits=None), kv=kind)):
+        for make in (LookupDraft, lambda: LookupDraft(scale_by_match=True),
+                     lambda kind=kind: ModelDraft(build_self_draft(llama, bits=None), kv=kind)):
             alone = [speculative_generate(llama, tok, [p], 16, make(), DraftLength(3), stop_tokens=set(),
                                           kv=kind).sequences[0].token_ids for p in prompts]
             assert alone == reference, kind

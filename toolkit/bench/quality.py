@@ -1,12 +1,17 @@
 """A quick quality check of quantized checkpoints against their float source, until the evaluation suite lands:
 perplexity, KL(fp32 || quantized) and top-1 agreement on windows of held-out text (pydoc's evaluation split).
 
-    python -m toolkit.bench.quality CHECKPOINT [CHECKPOINT ...] [--windows 4] [--window-tokens 512]
+    python -m toolkit.bench.quality CHECKPOINT [CHECKPOINT ...] [--windows 4] [--window-tokens 512] [--exact-prefill]
+
+--exact-prefill scores int8 per-channel checkpoints through the exact product (dequantize + fp32) instead of the
+default int8 x int8 prefill with activations quantized per call (README, "int8 prefill"): the weights' own error,
+without the activations'.
 
 Protocol: the evaluation documents joined by blank lines, tokenised once, cut into consecutive non-overlapping
 windows; every position after the first of each window is scored; no BOS is added (SmolLM2 uses none)."""
 
 import argparse
+import contextlib
 
 import torch
 
@@ -38,11 +43,14 @@ def main() -> None:
     from toolkit.engine.setup import load_quantized_model
     from toolkit.models import load_model
     from toolkit.quant.checkpoint import read_manifest
+    from toolkit.quant.qlinear import exact_prefill
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoints", nargs="+")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--window-tokens", type=int, default=512)
+    parser.add_argument("--exact-prefill", action="store_true",
+                        help="int8 layers: dequantize + fp32 instead of int8 x int8 with quantized activations")
     args = parser.parse_args()
     sources = {read_manifest(c)["source"] for c in args.checkpoints}
     if len(sources) != 1:
@@ -51,7 +59,8 @@ def main() -> None:
     ids = window_ids(reference.tokenizer, args.windows, args.window_tokens)
     print(f"{reference.name} fp32 vs checkpoints on {args.windows} x {args.window_tokens} tokens of pydoc evaluation")
     for path in args.checkpoints:
-        r = compare(reference.model, load_quantized_model(path).model, ids)
+        with exact_prefill() if args.exact_prefill else contextlib.nullcontext():
+            r = compare(reference.model, load_quantized_model(path).model, ids)
         print(f"{path}: perplexity {r['perplexity']:.3f} (fp32 {r['reference_perplexity']:.3f}), "
               f"KL {r['kl']:.4f}, top-1 agreement {r['top1_agreement']:.4f}")
 
