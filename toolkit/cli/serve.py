@@ -39,6 +39,4 @@ def _describe_spec(spec) -> str:
     if spec is None:
         return "none"
     k = f"k {spec.length.k_min}..{spec.length.k_max} adaptive" if spec.length.adaptive else f"k {spec.length.k}"
-    scaled = ", length by match" if spec.draft.scale_by_match else ""
-    return (f"lookup (n-grams {spec.draft.ngram_min}..{spec.draft.ngram_max}{scaled}, {k}, while the batch has <= "
-            f"{spec.max_batch} rows)")
+    return spec.draft.describe(f", {k}, while the batch has <= {spec.max_batch} rows")

@@ -79,8 +79,7 @@ def describe_draft(draft) -> str:
     if draft is None:
         return "none"
     if isinstance(draft, LookupDraft):
-        scaled = ", length by match" if draft.scale_by_match else ""
-        return f"lookup (n-grams {draft.ngram_min}..{draft.ngram_max}{scaled})"
+        return draft.describe()
     from toolkit.spec.self_draft import describe
 
     return describe(draft.model)

@@ -57,6 +57,11 @@ class LookupDraft:
             return k
         return max(1, (k * n + self.ngram_max // 2) // self.ngram_max)
 
+    def describe(self, details: str = "") -> str:
+        """"lookup (n-grams 1..3, length by match<details>)": how generate, bench and serve name this draft."""
+        scaled = ", length by match" if self.scale_by_match else ""
+        return f"lookup (n-grams {self.ngram_min}..{self.ngram_max}{scaled}{details})"
+
     def lookup(self, context: list[int], k: int) -> list[int]:
         found = self.match(context)
         if found is None:
