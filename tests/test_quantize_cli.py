@@ -187,6 +187,24 @@ def test_quality_check_exact_prefill_scores_int8_layers_without_activation_quant
     assert kl("--exact-prefill") < 0.5 * kl()
 
 
+def test_eval_exact_prefill_scores_int8_layers_without_activation_quantization(tiny_llama_dir, tmp_path):
+    """`specquant eval exact_prefill=true`: the same switch as the quality check's, recorded in the result."""
+    out = tmp_path / "w8"
+    run = specquant("quantize", "recipe=smollm2-135m/rtn-w8", f"model={tiny_llama_dir}", f"output={out}")
+    assert run.returncode == 0, run.stderr
+
+    def kl(flag):
+        result = tmp_path / f"e-{flag}.json"
+        done = specquant("eval", f"model={out}", "task=kl", "window=96", "max_windows=1", "store=none",
+                         f"exact_prefill={flag}", f"out={result}")
+        assert done.returncode == 0, done.stderr
+        figures = json.loads(result.read_text())
+        assert figures["exact_prefill"] is (flag == "true")
+        return figures["kl"]
+
+    assert kl("true") < 0.5 * kl("false")
+
+
 def test_recipe_name_resolves_and_output_key_and_summary(tiny_llama_dir, tmp_path):
     # a recipe NAME (recipes/<model>/<name>.yaml); model= and the group size are overridden for the tiny model
     out = tmp_path / "awq"

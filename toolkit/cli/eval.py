@@ -1,6 +1,7 @@
 """specquant eval: quality of a model as the engine runs it, against its reference (the float model in fp32 with a
 full-precision KV cache; see toolkit.evaluation.models), on held-out text; JSON to `out=`, a line to the store."""
 
+import contextlib
 import sys
 
 from omegaconf import OmegaConf
@@ -10,6 +11,7 @@ from toolkit.evaluation.models import load_candidate, load_reference
 from toolkit.evaluation.suite import Settings, resolve_tasks, run_tasks
 from toolkit.kv import kv_kind
 from toolkit.machine import machine_facts
+from toolkit.quant.qlinear import exact_prefill
 from toolkit.results import append_to_store, make_result, write_result
 
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -31,12 +33,15 @@ def evaluate_model(cfg) -> dict:
     data = f"{cfg.data.name}/{split}"
     quant = getattr(loaded.model, "specquant_quant_label", None)
     running = f"{quant} Linear weights, the rest {loaded.precision.name}" if quant else loaded.precision.name
-    console.print(f"[bold]{loaded.name}[/] ({running}, KV {kind}) vs reference {reference_name}")
-    out = run_tasks(loaded.model, loaded.tokenizer, texts, tasks, settings, reference, cfg.kv, data,
-                    log=lambda line: console.print(f"  protocol {line}", style="dim", highlight=False),
-                    progress=sys.stderr.isatty())
+    exact = bool(cfg.get("exact_prefill", False))
+    console.print(f"[bold]{loaded.name}[/] ({running}, KV {kind}"
+                  + (", int8 layers' many-row products exact" if exact else "") + f") vs reference {reference_name}")
+    with exact_prefill() if exact else contextlib.nullcontext():
+        out = run_tasks(loaded.model, loaded.tokenizer, texts, tasks, settings, reference, cfg.kv, data,
+                        log=lambda line: console.print(f"  protocol {line}", style="dim", highlight=False),
+                        progress=sys.stderr.isatty())
     figures = {"model": loaded.name, "dtype": loaded.precision.name, "kv": kind, "data": data, "tasks": tasks,
-               "quant": quant, "reference": reference_name,
+               "quant": quant, "reference": reference_name, "exact_prefill": exact,
                **out["figures"], "protocol": out["protocol"], "seconds": out["seconds"]}
     if "ppl" in figures:
         figures["ppl_increase"] = figures["ppl"] / figures["ref_ppl"] - 1

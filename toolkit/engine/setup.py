@@ -4,6 +4,7 @@ import os
 
 import torch
 
+from toolkit.engine.lean_forward import install as install_forward
 from toolkit.engine.precision import Precision, prepare_model, resolve_precision
 from toolkit.errors import InputError, ModelError
 
@@ -66,6 +67,7 @@ def prepare_engine_model(model, engine_cfg) -> Precision:
     if engine_cfg.device != "cpu":
         model.to(engine_cfg.device)
     prepare_model(model, precision, wide_copy=engine_cfg.get("wide_copy", "auto"), gemm=engine_cfg.get("gemm", "auto"))
+    model.specquant_forward = install_forward(model, engine_cfg.get("forward", "auto"))
     if engine_cfg.get("compile"):
         compile_decode(model)
     return precision

@@ -19,6 +19,7 @@ import copy
 import torch
 from torch import nn
 
+from toolkit.engine.lean_forward import rebind as rebind_lean_forward
 from toolkit.errors import InputError
 
 
@@ -101,6 +102,7 @@ def build_self_draft(target, layers: int | None = None, bits: int | None = 4, gr
     draft.config = config
     draft.specquant_self_draft = {"layers": n, "of": total, "bits": bits, "group_size": group_size}
     draft.__dict__.pop("specquant_decode_forward", None)  # a compiled target forward would run the target
+    rebind_lean_forward(draft)  # and so would the target's lean forward
     return draft
 
 

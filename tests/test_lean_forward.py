@@ -1,0 +1,180 @@
+"""The lean forward (toolkit/engine/lean_forward.py): bit-identical logits to transformers' forward over the same
+modules, for prefill, decode, multi-token passes on a filled cache and left-padded batches, with fp and quantized
+KV caches and with fused fbgemm projections; the models it does not apply to keep transformers' forward; requests
+it does not handle go to transformers; a self-draft copied from a lean target runs its own layers."""
+
+import copy
+
+import pytest
+import torch
+
+from toolkit.engine import ContiguousKVCache, generate
+from toolkit.engine.lean_forward import LeanForward, install
+from toolkit.engine.precision import FBGEMM_MAX_ROWS, Precision, fbgemm_available, prepare_model
+from toolkit.errors import InputError
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tiny_tokenizer):
+    """A tiny Qwen2: biases on q, k and v (which the fused pack must carry), grouped-query attention."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=True, pad_token_id=tiny_tokenizer.pad_token_id)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)  # random init leaves them zero: make them count
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def float_model(request, tiny_llama_dir, tiny_qwen2):
+    from transformers import AutoModelForCausalLM
+
+    if request.param == "qwen2":
+        return copy.deepcopy(tiny_qwen2)
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def passes(model, forward, cache_factory):
+    """Logits of a fixed script of calls: a left-padded 2-row prefill, three 1-token decode steps, one 5-token pass
+    on the filled cache (a speculative verify), then one more step after cropping 3 of those 5 (a rollback)."""
+    torch.manual_seed(0)
+    vocab = model.config.vocab_size
+    ids = torch.randint(4, vocab, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0  # row 1 is left-padded
+    cache = cache_factory(model)
+    out = []
+
+    def call(tokens, keep):
+        nonlocal mask
+        mask = torch.cat([mask, torch.ones(2, tokens.shape[1], dtype=torch.long)], dim=1) if out else mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -tokens.shape[1]:]
+        with torch.inference_mode():
+            out.append(forward(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
+                               use_cache=True, logits_to_keep=keep).logits)
+
+    call(ids, 1)
+    for _ in range(3):
+        call(torch.randint(4, vocab, (2, 1)), 1)
+    call(torch.randint(4, vocab, (2, 5)), 0)
+    cache.crop(cache.get_seq_length() - 3)
+    mask = mask[:, :-3]
+    call(torch.randint(4, vocab, (2, 1)), 1)
+    return out
+
+
+def assert_identical(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape
+        assert torch.equal(x, y), f"max difference {(x - y).abs().max().item()}"
+
+
+def fp_cache(model):
+    return ContiguousKVCache.for_model(model, 64)
+
+
+def int4_cache(model):
+    from toolkit.kv import make_kv_cache
+
+    return make_kv_cache(model, 64, "int4")
+
+
+@pytest.mark.parametrize("cache_factory", [fp_cache, int4_cache], ids=["fp-kv", "int4-kv"])
+def test_lean_forward_is_bit_identical_to_transformers_in_fp32(float_model, cache_factory):
+    expected = passes(float_model, float_model, cache_factory)
+    assert install(float_model, "lean") == "lean"
+    assert isinstance(float_model.forward, LeanForward)
+    assert_identical(passes(float_model, float_model, cache_factory), expected)
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no fbgemm")
+def test_fused_fbgemm_projections_give_the_transformers_forwards_logits(float_model):
+    """fp16 weights through fbgemm (the engine default on x86): one pack for q,k,v (with Qwen2's biases) and one for
+    gate,up give the separate layers' logits within fp32 rounding (fbgemm may block a wider product's sum
+    differently; on SmolLM2's shapes they came out bit-identical) and the same argmax; products of FBGEMM_MAX_ROWS
+    rows or more take the separate layers' wide path, bit-identical to transformers' forward."""
+    half = Precision(torch.float32, torch.float16)
+    reference = prepare_model(copy.deepcopy(float_model), half, wide_copy=True, gemm="fbgemm")
+    lean = prepare_model(copy.deepcopy(float_model), half, wide_copy=True, gemm="fbgemm")
+    assert install(lean) == "lean"
+    attn, mlp = lean.model.layers[0].self_attn, lean.model.layers[0].mlp
+    assert attn.specquant_qkv.sizes == (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+    assert mlp.specquant_gate_up.sizes == (mlp.gate_proj.out_features, mlp.up_proj.out_features)
+    assert getattr(attn.q_proj, "fbgemm_fp16", None) is None  # the fused pack replaced it
+    got, expected = passes(lean, lean, fp_cache), passes(reference, reference, fp_cache)
+    for x, y in zip(got, expected, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        assert torch.equal(x.argmax(-1), y.argmax(-1))
+    ids = torch.randint(4, lean.config.vocab_size, (1, FBGEMM_MAX_ROWS))
+    with torch.inference_mode():
+        assert torch.equal(lean(input_ids=ids, use_cache=False).logits, reference(input_ids=ids, use_cache=False).logits)
+
+
+def test_engine_generate_gives_the_same_tokens_with_either_forward(tiny_llama_dir):
+    from omegaconf import OmegaConf
+
+    from toolkit.engine.setup import load_engine_model
+
+    results = {}
+    for choice in ("transformers", "lean"):
+        cfg = OmegaConf.merge(OmegaConf.load("conf/engine/default.yaml"), {"forward": choice})
+        loaded = load_engine_model(str(tiny_llama_dir), cfg)
+        assert loaded.model.specquant_forward == choice
+        out = generate(loaded.model, loaded.tokenizer, ["The syntax of", "A class is a"], new_tokens=12)
+        results[choice] = [s.token_ids for s in out.sequences]
+    assert results["lean"] == results["transformers"]
+
+
+def test_models_it_does_not_apply_to_keep_transformers_forward(tiny_gemma3_dir):
+    from transformers import AutoModelForCausalLM
+
+    gemma = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.float32).eval()
+    assert install(gemma) == "transformers"
+    assert "forward" not in gemma.__dict__
+    with pytest.raises(InputError, match="engine.forward=lean cannot run this model"):
+        install(gemma, "lean")
+    with pytest.raises(InputError, match="unknown engine.forward"):
+        install(gemma, "fast")
+
+
+def test_requests_the_lean_forward_does_not_handle_go_to_transformers(float_model):
+    ids = torch.randint(4, float_model.config.vocab_size, (1, 6))
+    with torch.inference_mode():
+        expected = float_model(input_ids=ids, output_hidden_states=True)
+        install(float_model)
+        got = float_model(input_ids=ids, output_hidden_states=True)  # hidden states: transformers' forward
+        assert got.hidden_states is not None and len(got.hidden_states) == len(expected.hidden_states)
+        assert torch.equal(got.logits, expected.logits)
+        no_cache = float_model(input_ids=ids, use_cache=False)  # the lean forward, without a cache
+        assert torch.equal(no_cache.logits, expected.logits)
+        float_model.set_attn_implementation("eager")  # as the paged server switches to its own attention
+        try:
+            calls = []
+            hook = float_model.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+            eager = float_model(input_ids=ids, use_cache=False)  # transformers' forward, with eager attention
+            hook.remove()
+            assert calls and torch.allclose(eager.logits, expected.logits, atol=1e-4)
+        finally:
+            float_model.set_attn_implementation("sdpa")
+
+
+def test_a_self_draft_of_a_lean_target_runs_its_own_layers(float_model):
+    from toolkit.spec.self_draft import build_self_draft
+
+    install(float_model)
+    draft = build_self_draft(float_model, layers=1, bits=None)
+    assert isinstance(draft.forward, LeanForward) and draft.forward.model is draft
+    ids = torch.randint(4, float_model.config.vocab_size, (1, 6))
+    with torch.inference_mode():
+        lean = draft(input_ids=ids, use_cache=False).logits
+        transformers = type(draft).forward(draft, input_ids=ids, use_cache=False).logits
+        target = float_model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(lean, transformers)
+    assert not torch.allclose(lean, target)

@@ -1,0 +1,221 @@
+"""A lean forward for Llama-shaped decoders: the same modules and the same arithmetic as transformers' forward,
+without its per-call framework.
+
+Why: a SmolLM2-135M decode step here took ~37 ms while its operators (torch profiler, self time) took ~20 ms, of
+which the Linear products were ~12 ms. The rest was Python around them: per-layer decorators and keyword plumbing,
+output-capture wrappers, config attribute lookups and ~400 module calls per step. On a model this small that
+overhead, not bytes, sets the decode speed, and speculative decoding's draft and verify passes pay it too.
+
+What it is: transformers' `LlamaModel.forward` and `LlamaDecoderLayer.forward` written out as one loop over the
+model's own modules (its Linear layers, whatever the engine swapped in: fbgemm fp16, QuantLinear; its norms'
+weights; its rotary embedding; the KV cache's own `update`; transformers' causal-mask builder and SDPA attention
+function). The arithmetic is the same operations in the same order, so the logits are bit-identical to the
+transformers forward's (tested; fused projections below are within fp32 rounding); only the framework around them
+is gone.
+
+Fused projections (`fuse_projections`): with fp16 weights run by fbgemm (the engine default on x86), each layer's
+q, k and v products become one fbgemm call and gate and up another: 4 calls a layer instead of 7. A 1-row fbgemm
+call costs ~30-50 us whatever its size below a few MB (SmolLM2's k_proj, 192x576, streams at ~7 GB/s; the fused
+960x576 at ~23), so on SmolLM2 that is ~0.15 ms a layer. fbgemm may block the wider product's sum differently, so
+fused results are the separate layers' within fp32 rounding (on SmolLM2's shapes, bit-identical). The fused pack replaces the separate layers' packs (the
+memory stays what it was); those layers keep their fp16 weights for the transformers forward and for products of
+FBGEMM_MAX_ROWS rows or more, which the lean forward sends to them unfused.
+
+Which models: `LlamaForCausalLM` (SmolLM2) and `Qwen2ForCausalLM` without sliding-window layers, under the `sdpa`
+attention implementation. Anything else (Gemma 3's sliding windows, the paged server's attention, other
+architectures) keep transformers' forward: `install` says which one a model runs (`engine.forward`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, Qwen2RMSNorm
+
+from toolkit.engine.precision import HalfStorageLinear
+from toolkit.errors import InputError
+
+SUPPORTED = (LlamaForCausalLM, Qwen2ForCausalLM)
+NORMS = (LlamaRMSNorm, Qwen2RMSNorm)  # weight * (x * rsqrt(mean(x^2) + eps)), computed in fp32
+
+
+def unsupported_reason(model) -> str | None:
+    """Why `model` cannot run the lean forward, or None when it can."""
+    if type(model) not in SUPPORTED:
+        return f"{type(model).__name__} is not one of {', '.join(c.__name__ for c in SUPPORTED)}"
+    config = model.config
+    if config._attn_implementation != "sdpa":
+        return f"attention implementation {config._attn_implementation!r} (the lean forward runs sdpa)"
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return "sliding-window layers"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    inner = model.model
+    norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if any(type(n) not in NORMS for n in norms):
+        return "a norm that is not the model's RMSNorm"
+    return None
+
+
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    # LlamaRMSNorm.forward, operation for operation
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # apply_rotary_pos_emb for one tensor: x * cos + rotate_half(x) * sin
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+class FusedPack(NamedTuple):
+    """One fbgemm fp16 pack of several Linear layers' weights stacked along the output dim."""
+    packed: torch.Tensor
+    sizes: tuple[int, ...]  # each layer's out_features, in order
+    max_rows: int  # fewer rows than this run the pack
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.run(x).split(self.sizes, dim=-1)
+
+
+def _fuse(modules) -> FusedPack | None:
+    if not all(type(m) is HalfStorageLinear and getattr(m, "fbgemm_fp16", None) is not None for m in modules):
+        return None
+    weight = torch.cat([m.weight.detach().float() for m in modules])
+    biases = [m.bias for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([(b.detach().float() if b is not None else torch.zeros(m.out_features))
+                          for m, b in zip(modules, biases)])
+    packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+    for m in modules:
+        del m.fbgemm_fp16  # the fused pack replaces it: memory stays what it was
+    return FusedPack(packed, tuple(m.out_features for m in modules), modules[0].fbgemm_max_rows)
+
+
+def fuse_projections(model) -> int:
+    """Give each decoder layer of a lean-supported model fused q,k,v and gate,up fbgemm packs (see the module
+    docstring); returns how many packs were made (0 where the layers are not fbgemm fp16 layers)."""
+    made = 0
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "specquant_qkv", None) is None:
+            attn.specquant_qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            made += attn.specquant_qkv is not None
+        if getattr(mlp, "specquant_gate_up", None) is None:
+            mlp.specquant_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+            made += mlp.specquant_gate_up is not None
+    return made
+
+
+def _fused(module, name: str, rows: int) -> FusedPack | None:
+    pack = getattr(module, name, None)
+    # fbgemm computes in fp32, so exact_linears (an fp16 overflow's rerun) keeps it, as it keeps the separate packs
+    return None if pack is None or rows >= pack.max_rows else pack
+
+
+class LeanForward:
+    """Stands in for the model's `forward` (see `install`): input_ids, attention_mask, position_ids, an explicit
+    `cache`, logits_to_keep. Any other request (inputs_embeds, labels, hidden states, no cache with use_cache), and
+    any call after the attention implementation changed from sdpa (the paged server's), goes to transformers'
+    forward. It reads the model's modules at each call, so later module swaps (a self-draft's cut)
+    are seen."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = None,
+                 logits_to_keep: int = 0, **kwargs):
+        if "past_key_values" in kwargs and cache is None:
+            cache = kwargs.pop("past_key_values")
+        if (input_ids is None or any(v is not None and v is not False for v in kwargs.values())
+                or (cache is None and use_cache is not False) or not isinstance(logits_to_keep, int)
+                or self.model.training or self.model.config._attn_implementation != "sdpa"):
+            return type(self.model).forward(self.model, input_ids=input_ids, attention_mask=attention_mask,
+                                            position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                            logits_to_keep=logits_to_keep, **kwargs)
+        return CausalLMOutputWithPast(logits=self.logits(input_ids, attention_mask, position_ids, cache,
+                                                         logits_to_keep), cache=cache)
+
+    def logits(self, input_ids, attention_mask, position_ids, cache, logits_to_keep: int) -> torch.Tensor:
+        model = self.model
+        inner = model.model
+        config = inner.config
+        hidden = inner.embed_tokens(input_ids)
+        batch, length = input_ids.shape
+        rows = batch * length
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(length, device=hidden.device)[None] + past
+        mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
+                                  position_ids=position_ids)
+        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for layer in inner.layers[:config.num_hidden_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            x = _rms_norm(layer.input_layernorm, hidden)
+            shape = (batch, length, -1, attn.head_dim)
+            qkv = _fused(attn, "specquant_qkv", rows)
+            if qkv is not None:  # q and k sit side by side in the fused output: rotate them in one pass
+                out = qkv.run(x)
+                heads = qkv.sizes[0] // attn.head_dim
+                qk = _rotate(out[..., :qkv.sizes[0] + qkv.sizes[1]].view(shape).transpose(1, 2), cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
+                v = out[..., qkv.sizes[0] + qkv.sizes[1]:]
+            else:
+                q = _rotate(attn.q_proj(x).view(shape).transpose(1, 2), cos, sin)
+                k = _rotate(attn.k_proj(x).view(shape).transpose(1, 2), cos, sin)
+                v = attn.v_proj(x)
+            v = v.view(shape).transpose(1, 2)
+            if cache is not None:
+                k, v = cache.update(k, v, attn.layer_idx)
+            out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+            hidden = hidden + attn.o_proj(out.reshape(batch, length, -1).contiguous())
+            x = _rms_norm(layer.post_attention_layernorm, hidden)
+            gate_up = _fused(mlp, "specquant_gate_up", rows)
+            gate, up = gate_up(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
+            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+        hidden = _rms_norm(inner.norm, hidden)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        return model.lm_head(hidden)
+
+
+FORWARDS = ("auto", "lean", "transformers")
+
+
+def install(model, choice: str = "auto") -> str:
+    """Make `model`'s forward the lean one where it applies; returns which forward the model now runs. `choice`:
+    auto (lean where supported), lean (an error where not), transformers (leave the model as it is)."""
+    if choice not in FORWARDS:
+        raise InputError(f"unknown engine.forward {choice!r}", f"use one of {', '.join(FORWARDS)}")
+    if choice == "transformers":
+        return "transformers"
+    reason = unsupported_reason(model)
+    if reason:
+        if choice == "lean":
+            raise InputError(f"engine.forward=lean cannot run this model: {reason}",
+                             "use engine.forward=auto (or transformers), which keeps transformers' forward here")
+        return "transformers"
+    fuse_projections(model)
+    model.forward = LeanForward(model)
+    return "lean"
+
+
+def rebind(copy_of_model) -> None:
+    """After `copy.copy(model)` (a self-draft sharing the target's modules): a lean forward copied with the instance
+    still runs the original's layers; give the copy its own."""
+    if isinstance(copy_of_model.__dict__.get("forward"), LeanForward):
+        copy_of_model.forward = LeanForward(copy_of_model)
