@@ -154,13 +154,15 @@ def test_requests_the_lean_forward_does_not_handle_go_to_transformers(float_mode
         assert torch.equal(got.logits, expected.logits)
         no_cache = float_model(input_ids=ids, use_cache=False)  # the lean forward, without a cache
         assert torch.equal(no_cache.logits, expected.logits)
-        float_model.set_attn_implementation("eager")  # as the paged server switches to its own attention
-        try:
+        float_model.set_attn_implementation("eager")
+        try:  # another attention implementation: the lean loop calls it as transformers' layers would
             calls = []
             hook = float_model.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
-            eager = float_model(input_ids=ids, use_cache=False)  # transformers' forward, with eager attention
+            eager = float_model(input_ids=ids, use_cache=False)
             hook.remove()
-            assert calls and torch.allclose(eager.logits, expected.logits, atol=1e-4)
+            assert not calls  # the lean forward never calls the attention module itself
+            assert torch.equal(eager.logits, type(float_model).forward(float_model, input_ids=ids,
+                                                                        use_cache=False).logits)
         finally:
             float_model.set_attn_implementation("sdpa")
 
@@ -178,3 +180,40 @@ def test_a_self_draft_of_a_lean_target_runs_its_own_layers(float_model):
         target = float_model(input_ids=ids, use_cache=False).logits
     assert torch.equal(lean, transformers)
     assert not torch.allclose(lean, target)
+
+
+@torch.inference_mode()
+def test_the_paged_servers_bucketed_attention_runs_under_the_lean_forward(tiny_llama_dir):
+    """The server's paged cache hands its bucket plan from `cache.update` to the attention call through the kwargs
+    dict transformers' layers pass; the lean loop passes it the same way: the plan is used, and the logits equal
+    transformers' forward's over an identical cache."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from tests.test_paged_attention import LENGTHS, _prefilled, _step
+    from toolkit.kv.paged import PagedKVCache
+    from toolkit.kv.paged.attention import PAGED_ATTENTION, PLAN_KEY, paged_sdpa, use_paged_attention
+
+    models = {}
+    for choice in ("transformers", "lean"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+        assert install(model, choice) == choice
+        models[choice] = use_paged_attention(model)
+    plans = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        plans.append(PLAN_KEY in kwargs)
+        return paged_sdpa(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(PAGED_ATTENTION, spy)
+    try:
+        logits = {}
+        for choice, model in models.items():
+            cache = PagedKVCache(model, num_blocks=160, block_size=8, prefix_cache=False)
+            seqs = _prefilled(model, cache, LENGTHS)
+            tokens = [[11 + r + j for j in range(3)] for r in range(len(seqs))]
+            plans.clear()
+            logits[choice] = _step(model, cache, seqs, tokens, True)
+            assert plans and all(plans), choice  # every layer's attention got the bucket plan
+    finally:
+        AttentionInterface.register(PAGED_ATTENTION, paged_sdpa)
+    assert torch.equal(logits["lean"], logits["transformers"])

@@ -114,7 +114,8 @@ def test_bucketed_equals_padded_and_each_row_alone(paged_model, kv, q):
     assert cache.pool.used == 0
 
 
-def test_a_model_left_on_sdpa_pads_every_row(tiny_model):
-    model, _ = tiny_model
+def test_a_model_left_on_sdpa_pads_every_row(tiny_llama_dir):
+    # a fresh model: the server's tests switch the session's shared tiny models to the paged attention
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     assert model.config._attn_implementation == "sdpa"
     assert not PagedKVCache(model, num_blocks=8, block_size=8).bucketed

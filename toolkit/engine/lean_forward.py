@@ -8,8 +8,8 @@ overhead, not bytes, sets the decode speed, and speculative decoding's draft and
 
 What it is: transformers' `LlamaModel.forward` and `LlamaDecoderLayer.forward` written out as one loop over the
 model's own modules (its Linear layers, whatever the engine swapped in: fbgemm fp16, QuantLinear; its norms'
-weights; its rotary embedding; the KV cache's own `update`; transformers' causal-mask builder and SDPA attention
-function). The arithmetic is the same operations in the same order, so the logits are bit-identical to the
+weights; its rotary embedding; the KV cache's own `update`; transformers' causal-mask builder and the attention
+function registered for the model's attention implementation: sdpa, eager, or the paged server's). The arithmetic is the same operations in the same order, so the logits are bit-identical to the
 transformers forward's (tested; fused projections below are within fp32 rounding); only the framework around them
 is gone.
 
@@ -21,8 +21,8 @@ fused results are the separate layers' within fp32 rounding (on SmolLM2's shapes
 memory stays what it was); those layers keep their fp16 weights for the transformers forward and for products of
 FBGEMM_MAX_ROWS rows or more, which the lean forward sends to them unfused.
 
-Which models: `LlamaForCausalLM` (SmolLM2) and `Qwen2ForCausalLM` without sliding-window layers, under the `sdpa`
-attention implementation. Anything else (Gemma 3's sliding windows, the paged server's attention, other
+Which models: `LlamaForCausalLM` (SmolLM2) and `Qwen2ForCausalLM` without sliding-window layers, under any
+attention implementation but flash and flex attention. Anything else (Gemma 3's sliding windows, other
 architectures) keep transformers' forward: `install` says which one a model runs (`engine.forward`).
 """
 
@@ -31,10 +31,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRMSNorm
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRMSNorm, eager_attention_forward
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, Qwen2RMSNorm
 
 from toolkit.engine.precision import HalfStorageLinear
@@ -49,8 +49,9 @@ def unsupported_reason(model) -> str | None:
     if type(model) not in SUPPORTED:
         return f"{type(model).__name__} is not one of {', '.join(c.__name__ for c in SUPPORTED)}"
     config = model.config
-    if config._attn_implementation != "sdpa":
-        return f"attention implementation {config._attn_implementation!r} (the lean forward runs sdpa)"
+    if not _attention_supported(config):
+        return f"attention implementation {config._attn_implementation!r} (flash and flex attention need arguments " \
+               "the lean forward does not pass)"
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
         return "sliding-window layers"
     if getattr(config, "use_sliding_window", False):
@@ -60,6 +61,12 @@ def unsupported_reason(model) -> str | None:
     if any(type(n) not in NORMS for n in norms):
         return "a norm that is not the model's RMSNorm"
     return None
+
+
+def _attention_supported(config) -> bool:
+    # sdpa, eager and the paged server's sdpa take (module, q, k, v, mask, dropout, scaling, **what the cache passed)
+    name = config._attn_implementation or "eager"
+    return "flash" not in name and "flex" not in name
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -128,8 +135,7 @@ def _fused(module, name: str, rows: int) -> FusedPack | None:
 class LeanForward:
     """Stands in for the model's `forward` (see `install`): input_ids, attention_mask, position_ids, an explicit
     `cache`, logits_to_keep. Any other request (inputs_embeds, labels, hidden states, no cache with use_cache), and
-    any call after the attention implementation changed from sdpa (the paged server's), goes to transformers'
-    forward. It reads the model's modules at each call, so later module swaps (a self-draft's cut)
+    any call after the attention implementation changed to flash or flex attention, goes to transformers' forward. It reads the model's modules at each call, so later module swaps (a self-draft's cut)
     are seen."""
 
     def __init__(self, model):
@@ -142,7 +148,7 @@ class LeanForward:
             cache = kwargs.pop("past_key_values")
         if (input_ids is None or any(v is not None and v is not False for v in kwargs.values())
                 or (cache is None and use_cache is not False) or not isinstance(logits_to_keep, int)
-                or self.model.training or self.model.config._attn_implementation != "sdpa"):
+                or self.model.training or not _attention_supported(self.model.config)):
             return type(self.model).forward(self.model, input_ids=input_ids, attention_mask=attention_mask,
                                             position_ids=position_ids, cache=cache, use_cache=use_cache,
                                             logits_to_keep=logits_to_keep, **kwargs)
@@ -163,6 +169,7 @@ class LeanForward:
                                   position_ids=position_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
         for layer in inner.layers[:config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
             x = _rms_norm(layer.input_layernorm, hidden)
@@ -179,9 +186,10 @@ class LeanForward:
                 k = _rotate(attn.k_proj(x).view(shape).transpose(1, 2), cos, sin)
                 v = attn.v_proj(x)
             v = v.view(shape).transpose(1, 2)
+            passed = {}  # what the cache hands the attention call (the paged cache's plan), as transformers passes it
             if cache is not None:
-                k, v = cache.update(k, v, attn.layer_idx)
-            out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+                k, v = cache.update(k, v, attn.layer_idx, kwargs=passed)
+            out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **passed)
             hidden = hidden + attn.o_proj(out.reshape(batch, length, -1).contiguous())
             x = _rms_norm(layer.post_attention_layernorm, hidden)
             gate_up = _fused(mlp, "specquant_gate_up", rows)
