@@ -217,3 +217,29 @@ def test_the_paged_servers_bucketed_attention_runs_under_the_lean_forward(tiny_l
     finally:
         AttentionInterface.register(PAGED_ATTENTION, paged_sdpa)
     assert torch.equal(logits["lean"], logits["transformers"])
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no fbgemm")
+def test_a_quantized_self_draft_never_runs_the_targets_fused_fp16_packs(float_model):
+    """The int4 self-draft deep-copies the target's layers and swaps their Linear layers for QuantLinear: the copies'
+    fused fp16 packs are dropped (and a stale pack would be refused anyway), so the draft runs its int4 layers,
+    exactly as transformers' forward runs them."""
+    from toolkit.quant.qlinear import QuantLinear
+    from toolkit.spec.self_draft import build_self_draft
+
+    target = prepare_model(float_model, Precision(torch.float32, torch.float16), wide_copy=True, gemm="fbgemm")
+    install(target)
+    draft = build_self_draft(target, bits=4, group_size=32)
+    layer = draft.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, QuantLinear)
+    assert getattr(layer.self_attn, "specquant_qkv", None) is None and getattr(layer.mlp, "specquant_gate_up", None) is None
+    assert target.model.layers[0].self_attn.specquant_qkv is not None  # the target keeps its own
+    ids = torch.randint(4, target.config.vocab_size, (1, 6))
+    with torch.inference_mode():
+        lean = draft(input_ids=ids, use_cache=False).logits
+        transformers = type(draft).forward(draft, input_ids=ids, use_cache=False).logits
+        # a pack left on a swapped layer is stale: the lean forward runs the layer itself
+        layer.self_attn.specquant_qkv = target.model.layers[0].self_attn.specquant_qkv
+        stale = draft(input_ids=ids, use_cache=False).logits
+    assert torch.equal(lean, transformers)
+    assert torch.equal(stale, lean)

@@ -88,6 +88,7 @@ class FusedPack(NamedTuple):
     packed: torch.Tensor
     sizes: tuple[int, ...]  # each layer's out_features, in order
     max_rows: int  # fewer rows than this run the pack
+    sources: tuple  # the layers packed: a pack is used only while the model still holds exactly these
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
@@ -108,7 +109,7 @@ def _fuse(modules) -> FusedPack | None:
     packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
     for m in modules:
         del m.fbgemm_fp16  # the fused pack replaces it: memory stays what it was
-    return FusedPack(packed, tuple(m.out_features for m in modules), modules[0].fbgemm_max_rows)
+    return FusedPack(packed, tuple(m.out_features for m in modules), modules[0].fbgemm_max_rows, tuple(modules))
 
 
 def fuse_projections(model) -> int:
@@ -126,10 +127,20 @@ def fuse_projections(model) -> int:
     return made
 
 
-def _fused(module, name: str, rows: int) -> FusedPack | None:
+def _fused(module, name: str, rows: int, *layers) -> FusedPack | None:
     pack = getattr(module, name, None)
-    # fbgemm computes in fp32, so exact_linears (an fp16 overflow's rerun) keeps it, as it keeps the separate packs
-    return None if pack is None or rows >= pack.max_rows else pack
+    # fbgemm computes in fp32, so exact_linears (an fp16 overflow's rerun) keeps it, as it keeps the separate packs.
+    # A layer swapped since (a self-draft's quantized copy) makes the pack stale: then the layers run themselves.
+    if pack is None or rows >= pack.max_rows or any(a is not b for a, b in zip(pack.sources, layers)):
+        return None
+    return pack
+
+
+def strip_fused(module) -> None:
+    """Drop the fused packs under `module` (a copy whose layers are about to be swapped: they would be stale)."""
+    for child in module.modules():
+        child.__dict__.pop("specquant_qkv", None)
+        child.__dict__.pop("specquant_gate_up", None)
 
 
 class LeanForward:
@@ -174,7 +185,7 @@ class LeanForward:
             attn, mlp = layer.self_attn, layer.mlp
             x = _rms_norm(layer.input_layernorm, hidden)
             shape = (batch, length, -1, attn.head_dim)
-            qkv = _fused(attn, "specquant_qkv", rows)
+            qkv = _fused(attn, "specquant_qkv", rows, attn.q_proj, attn.k_proj, attn.v_proj)
             if qkv is not None:  # q and k sit side by side in the fused output: rotate them in one pass
                 out = qkv.run(x)
                 heads = qkv.sizes[0] // attn.head_dim
@@ -192,7 +203,7 @@ class LeanForward:
             out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **passed)
             hidden = hidden + attn.o_proj(out.reshape(batch, length, -1).contiguous())
             x = _rms_norm(layer.post_attention_layernorm, hidden)
-            gate_up = _fused(mlp, "specquant_gate_up", rows)
+            gate_up = _fused(mlp, "specquant_gate_up", rows, mlp.gate_proj, mlp.up_proj)
             gate, up = gate_up(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
             hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
         hidden = _rms_norm(inner.norm, hidden)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from toolkit.engine.lean_forward import rebind as rebind_lean_forward
+from toolkit.engine.lean_forward import strip_fused
 from toolkit.errors import InputError
 
 
@@ -41,6 +42,7 @@ def _quantize_layers(layers: list[nn.Module], bits: int, group_size: int) -> lis
     from toolkit.quant.qlinear import QuantLinear
 
     holder = nn.ModuleList([copy.deepcopy(layer) for layer in layers])
+    strip_fused(holder)  # the copies' fused fp16 packs (lean forward) would run in place of the quantized layers
     # a quantized target (a checkpoint): wider codes than the draft's go back to float and are re-quantized; codes
     # at or below the draft's width are already what the draft would run, so they stay (the target's own)
     kept = 0
