@@ -114,7 +114,8 @@ def test_fused_fbgemm_projections_give_the_transformers_forwards_logits(float_mo
         assert torch.equal(x.argmax(-1), y.argmax(-1))
     ids = torch.randint(4, lean.config.vocab_size, (1, FBGEMM_MAX_ROWS))
     with torch.inference_mode():
-        assert torch.equal(lean(input_ids=ids, use_cache=False).logits, reference(input_ids=ids, use_cache=False).logits)
+        expected = reference(input_ids=ids, use_cache=False).logits
+        assert torch.equal(lean(input_ids=ids, use_cache=False).logits, expected)
 
 
 def test_engine_generate_gives_the_same_tokens_with_either_forward(tiny_llama_dir):
@@ -232,7 +233,8 @@ def test_a_quantized_self_draft_never_runs_the_targets_fused_fp16_packs(float_mo
     draft = build_self_draft(target, bits=4, group_size=32)
     layer = draft.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, QuantLinear)
-    assert getattr(layer.self_attn, "specquant_qkv", None) is None and getattr(layer.mlp, "specquant_gate_up", None) is None
+    assert getattr(layer.self_attn, "specquant_qkv", None) is None
+    assert getattr(layer.mlp, "specquant_gate_up", None) is None
     assert target.model.layers[0].self_attn.specquant_qkv is not None  # the target keeps its own
     ids = torch.randint(4, target.config.vocab_size, (1, 6))
     with torch.inference_mode():

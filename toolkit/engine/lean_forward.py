@@ -9,17 +9,18 @@ overhead, not bytes, sets the decode speed, and speculative decoding's draft and
 What it is: transformers' `LlamaModel.forward` and `LlamaDecoderLayer.forward` written out as one loop over the
 model's own modules (its Linear layers, whatever the engine swapped in: fbgemm fp16, QuantLinear; its norms'
 weights; its rotary embedding; the KV cache's own `update`; transformers' causal-mask builder and the attention
-function registered for the model's attention implementation: sdpa, eager, or the paged server's). The arithmetic is the same operations in the same order, so the logits are bit-identical to the
-transformers forward's (tested; fused projections below are within fp32 rounding); only the framework around them
-is gone.
+function registered for the model's attention implementation: sdpa, eager, or the paged server's). The arithmetic
+is the same operations in the same order, so the logits are bit-identical to the transformers forward's (tested;
+fused projections below are within fp32 rounding); only the framework around them is gone.
 
 Fused projections (`fuse_projections`): with fp16 weights run by fbgemm (the engine default on x86), each layer's
 q, k and v products become one fbgemm call and gate and up another: 4 calls a layer instead of 7. A 1-row fbgemm
 call costs ~30-50 us whatever its size below a few MB (SmolLM2's k_proj, 192x576, streams at ~7 GB/s; the fused
 960x576 at ~23), so on SmolLM2 that is ~0.15 ms a layer. fbgemm may block the wider product's sum differently, so
-fused results are the separate layers' within fp32 rounding (on SmolLM2's shapes, bit-identical). The fused pack replaces the separate layers' packs (the
-memory stays what it was); those layers keep their fp16 weights for the transformers forward and for products of
-FBGEMM_MAX_ROWS rows or more, which the lean forward sends to them unfused.
+fused results are the separate layers' within fp32 rounding (on SmolLM2's shapes, bit-identical). The fused pack
+replaces the separate layers' packs (the memory stays what it was); those layers keep their fp16 weights for the
+transformers forward and for products of FBGEMM_MAX_ROWS rows or more, which the lean forward sends to them
+unfused. A pack is used only while the model holds the very layers it packed (a swapped layer makes it stale).
 
 Which models: `LlamaForCausalLM` (SmolLM2) and `Qwen2ForCausalLM` without sliding-window layers, under any
 attention implementation but flash and flex attention. Anything else (Gemma 3's sliding windows, other
@@ -57,7 +58,8 @@ def unsupported_reason(model) -> str | None:
     if getattr(config, "use_sliding_window", False):
         return "sliding-window attention"
     inner = model.model
-    norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms = [inner.norm] + [n for layer in inner.layers
+                            for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if any(type(n) not in NORMS for n in norms):
         return "a norm that is not the model's RMSNorm"
     return None
@@ -146,8 +148,8 @@ def strip_fused(module) -> None:
 class LeanForward:
     """Stands in for the model's `forward` (see `install`): input_ids, attention_mask, position_ids, an explicit
     `cache`, logits_to_keep. Any other request (inputs_embeds, labels, hidden states, no cache with use_cache), and
-    any call after the attention implementation changed to flash or flex attention, goes to transformers' forward. It reads the model's modules at each call, so later module swaps (a self-draft's cut)
-    are seen."""
+    any call after the attention implementation changed to flash or flex attention, goes to transformers' forward.
+    It reads the model's modules at each call, so later module swaps (a self-draft's cut) are seen."""
 
     def __init__(self, model):
         self.model = model
