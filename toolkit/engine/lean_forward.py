@@ -35,7 +35,12 @@ import torch
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRMSNorm, eager_attention_forward
+from transformers.models.llama.modeling_llama import (
+    LlamaForCausalLM,
+    LlamaRMSNorm,
+    eager_attention_forward,
+    rotate_half,
+)
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, Qwen2RMSNorm
 
 from toolkit.engine.precision import HalfStorageLinear
@@ -71,18 +76,9 @@ def _attention_supported(config) -> bool:
     return "flash" not in name and "flex" not in name
 
 
-def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    # LlamaRMSNorm.forward, operation for operation
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # apply_rotary_pos_emb for one tensor: x * cos + rotate_half(x) * sin
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+    # apply_rotary_pos_emb for one tensor (so that q and k side by side can turn in one pass)
+    return (x * cos) + (rotate_half(x) * sin)
 
 
 class FusedPack(NamedTuple):
@@ -185,7 +181,7 @@ class LeanForward:
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
         for layer in inner.layers[:config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
-            x = _rms_norm(layer.input_layernorm, hidden)
+            x = layer.input_layernorm.forward(hidden)  # the norm's own code, without a module call
             shape = (batch, length, -1, attn.head_dim)
             qkv = _fused(attn, "specquant_qkv", rows, attn.q_proj, attn.k_proj, attn.v_proj)
             if qkv is not None:  # q and k sit side by side in the fused output: rotate them in one pass
@@ -204,11 +200,11 @@ class LeanForward:
                 k, v = cache.update(k, v, attn.layer_idx, kwargs=passed)
             out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **passed)
             hidden = hidden + attn.o_proj(out.reshape(batch, length, -1).contiguous())
-            x = _rms_norm(layer.post_attention_layernorm, hidden)
+            x = layer.post_attention_layernorm.forward(hidden)
             gate_up = _fused(mlp, "specquant_gate_up", rows, mlp.gate_proj, mlp.up_proj)
             gate, up = gate_up(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
             hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
-        hidden = _rms_norm(inner.norm, hidden)
+        hidden = inner.norm.forward(hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
         return model.lm_head(hidden)
