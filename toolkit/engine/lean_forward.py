@@ -1,26 +1,27 @@
 """A lean forward for Llama-shaped decoders: the same modules and the same arithmetic as transformers' forward,
 without its per-call framework.
 
-Why: a SmolLM2-135M decode step here took ~37 ms while its operators (torch profiler, self time) took ~20 ms, of
-which the Linear products were ~12 ms. The rest was Python around them: per-layer decorators and keyword plumbing,
-output-capture wrappers, config attribute lookups and ~400 module calls per step. On a model this small that
-overhead, not bytes, sets the decode speed, and speculative decoding's draft and verify passes pay it too.
+Why: on a model as small as SmolLM2-135M a decode step through transformers' forward spends much of its time in
+Python around the operators: per-layer decorators and keyword plumbing, output-capture wrappers, config attribute
+lookups and ~400 module calls per step. That overhead, not bytes, sets the decode speed there, and speculative
+decoding's draft and verify passes pay it too. `python -m toolkit.bench.forward` times both forwards side by side.
 
 What it is: transformers' `LlamaModel.forward` and `LlamaDecoderLayer.forward` written out as one loop over the
 model's own modules (its Linear layers, whatever the engine swapped in: fbgemm fp16, QuantLinear; its norms'
-weights; its rotary embedding; the KV cache's own `update`; transformers' causal-mask builder and the attention
+`forward`; its rotary embedding; the KV cache's own `update`; transformers' causal-mask builder and the attention
 function registered for the model's attention implementation: sdpa, eager, or the paged server's). The arithmetic
 is the same operations in the same order, so the logits are bit-identical to the transformers forward's (tested;
 fused projections below are within fp32 rounding); only the framework around them is gone.
 
 Fused projections (`fuse_projections`): with fp16 weights run by fbgemm (the engine default on x86), each layer's
 q, k and v products become one fbgemm call and gate and up another: 4 calls a layer instead of 7. A 1-row fbgemm
-call costs ~30-50 us whatever its size below a few MB (SmolLM2's k_proj, 192x576, streams at ~7 GB/s; the fused
-960x576 at ~23), so on SmolLM2 that is ~0.15 ms a layer. fbgemm may block the wider product's sum differently, so
-fused results are the separate layers' within fp32 rounding (on SmolLM2's shapes, bit-identical). The fused pack
-replaces the separate layers' packs (the memory stays what it was); those layers keep their fp16 weights for the
-transformers forward and for products of FBGEMM_MAX_ROWS rows or more, which the lean forward sends to them
-unfused. A pack is used only while the model holds the very layers it packed (a swapped layer makes it stale).
+call has a fixed cost that small layers (SmolLM2's k_proj is 192x576) never amortize; `python -m
+toolkit.bench.forward` prints layer 0's fused and separate calls side by side. fbgemm may block the wider
+product's sum differently, so fused results are the separate layers' within fp32 rounding (on SmolLM2's shapes,
+bit-identical). The fused pack replaces the separate layers' packs (the memory stays what it was); those layers
+keep their fp16 weights for the transformers forward and for products of FBGEMM_MAX_ROWS rows or more, which the
+lean forward sends to them unfused. A pack is used only while the model holds the very layers it packed (a swapped
+layer makes it stale).
 
 Which models: `LlamaForCausalLM` (SmolLM2) and `Qwen2ForCausalLM` without sliding-window layers, under any
 attention implementation but flash and flex attention. Anything else (Gemma 3's sliding windows, other
