@@ -87,11 +87,24 @@ def int4_cache(model):
 
 
 @pytest.mark.parametrize("cache_factory", [fp_cache, int4_cache], ids=["fp-kv", "int4-kv"])
-def test_lean_forward_is_bit_identical_to_transformers_in_fp32(float_model, cache_factory):
+def test_lean_forward_is_bit_identical_to_transformers_in_fp32(float_model, cache_factory, monkeypatch):
+    # the lean forward shares key/value heads in masked passes too (sdpa_gqa); transformers does when told to
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     expected = passes(float_model, float_model, cache_factory)
     assert install(float_model, "lean") == "lean"
     assert isinstance(float_model.forward, LeanForward)
     assert_identical(passes(float_model, float_model, cache_factory), expected)
+
+
+def test_shared_key_value_heads_give_transformers_copied_heads_logits_within_rounding(float_model):
+    """Left alone, transformers copies each key/value head for its query heads whenever a mask is given (a padded
+    batch, a verify pass); the lean forward's sdpa_gqa shares them. The same sums, possibly blocked differently:
+    within fp32 rounding, the same argmax."""
+    expected = passes(float_model, float_model, fp_cache)
+    assert install(float_model, "lean") == "lean"
+    for x, y in zip(passes(float_model, float_model, fp_cache), expected, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        assert torch.equal(x.argmax(-1), y.argmax(-1))
 
 
 @pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no fbgemm")
