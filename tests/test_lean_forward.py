@@ -260,12 +260,13 @@ def test_a_quantized_self_draft_never_runs_the_targets_fused_fp16_packs(float_mo
     assert torch.equal(stale, lean)
 
 
-def test_the_side_by_side_benchmark_runs_both_forwards_on_the_same_tokens(tiny_llama_dir):
-    from toolkit.bench.forward import PASS_ROWS, print_result, run
+def test_the_side_by_side_benchmark_runs_every_forward_on_the_same_tokens(tiny_llama_dir):
+    from toolkit.bench.forward import FORWARDS, PASS_ROWS, _engine, print_result, run
 
+    assert _engine(str(tiny_llama_dir), "lean-copied-kv", None).forward.share_kv_heads is False
     out = run(str(tiny_llama_dir), rounds=1, steps=2, threads=None)
     for rows in PASS_ROWS:
-        assert out[f"lean_{rows}_rows_ms"] > 0 and out[f"transformers_{rows}_rows_ms"] > 0
+        assert all(out[f"{name}_{rows}_rows_ms"] > 0 for name in FORWARDS)
     assert out["max_abs_logit_difference"] < 1e-4  # fused packs: within fp32 rounding of the separate layers
     if fbgemm_available():
         assert set(out["fused"]) == {"q,k,v", "gate,up"}

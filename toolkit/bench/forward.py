@@ -2,11 +2,13 @@
 
     python -m toolkit.bench.forward [--model smollm2-135m] [--rounds 5] [--steps 20] [--threads N]
 
-Two copies of the model are loaded as the engine runs them, one with `engine.forward=transformers` and one with
-`engine.forward=lean`. Each round times, on each copy in turn (so both see the same machine noise), a 1-row decode
+Three copies of the model are loaded as the engine runs them: one with `engine.forward=transformers`, one with
+`engine.forward=lean`, and a lean one that leaves sdpa to transformers (which copies each key/value head per query
+head in masked passes, where the lean forward shares them: `sdpa_gqa`). Each round times, on each copy in turn (so
+all see the same machine noise), a 1-row decode
 step (median of `steps`) and passes of 5 and 9 new tokens on a filled cache (a speculative verify's shape; cropped
 back after each). Then, for layer 0, the fused fbgemm packs against the separate layers they replace: one 1-row call
-each, best of many. Prints medians over rounds and the ratios; the logits of the two copies are compared too.
+each, best of many. Prints medians over rounds and the ratios; the logits of the copies are compared too.
 """
 
 import argparse
@@ -19,14 +21,21 @@ PROMPT_TOKENS = 128
 PASS_ROWS = (1, 5, 9)
 
 
+FORWARDS = ("transformers", "lean-copied-kv", "lean")
+
+
 def _engine(model: str, forward: str, threads: int | None):
     from omegaconf import OmegaConf
 
     from toolkit.engine.setup import load_engine_model
 
     cfg = OmegaConf.create({"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "wide_copy": "auto",
-                            "gemm": "auto", "threads": threads, "compile": False, "forward": forward})
-    return load_engine_model(model, cfg).model
+                            "gemm": "auto", "threads": threads, "compile": False,
+                            "forward": "lean" if forward.startswith("lean") else forward})
+    loaded = load_engine_model(model, cfg).model
+    if forward == "lean-copied-kv" and loaded.specquant_forward == "lean":
+        loaded.forward.share_kv_heads = False
+    return loaded
 
 
 def _pass_ms(model, cache, rows: int, steps: int, generator) -> tuple[float, torch.Tensor]:
@@ -59,7 +68,7 @@ def _call_us(f, reps: int = 300) -> float:
 def run(model_name: str, rounds: int, steps: int, threads: int | None) -> dict:
     from toolkit.engine.kv_cache import ContiguousKVCache
 
-    models = {name: _engine(model_name, name, threads) for name in ("transformers", "lean")}
+    models = {name: _engine(model_name, name, threads) for name in FORWARDS}
     if models["lean"].specquant_forward != "lean":
         raise SystemExit(f"{model_name}: the lean forward does not apply to this model")
     prompt = torch.randint(4, models["lean"].config.vocab_size, (1, PROMPT_TOKENS),
@@ -74,11 +83,11 @@ def run(model_name: str, rounds: int, steps: int, threads: int | None) -> dict:
         order = list(models) if r % 2 == 0 else list(models)[::-1]
         for rows in PASS_ROWS:
             logits = {}
-            for name in order:  # the same token ids for both copies: one generator seed per (round, rows)
+            for name in order:  # the same token ids for every copy: one generator seed per (round, rows)
                 ms, logits[name] = _pass_ms(models[name], caches[name], rows, steps,
                                             torch.Generator().manual_seed(1000 * r + rows))
                 times[(name, rows)].append(ms)
-            worst = max(worst, (logits["lean"] - logits["transformers"]).abs().max().item())
+            worst = max(worst, *((logits[name] - logits["transformers"]).abs().max().item() for name in logits))
 
     lean, ref = models["lean"].model.layers[0], models["transformers"].model.layers[0]
     x = torch.randn(1, lean.self_attn.q_proj.in_features)
@@ -99,11 +108,12 @@ def run(model_name: str, rounds: int, steps: int, threads: int | None) -> dict:
 def print_result(out: dict) -> None:
     print(f"{out['model']}, {out['threads']} threads, {out['rounds']} rounds x {out['steps']} passes, "
           f"{PROMPT_TOKENS}-token cache; median ms per pass")
-    print(f"{'new tokens per pass':22s}{'transformers':>14s}{'lean':>10s}{'ratio':>8s}")
+    print(f"{'new tokens per pass':22s}{'transformers':>14s}{'lean, copied kv':>17s}{'lean':>8s}"
+          f"{'transformers/lean':>19s}{'copied kv/lean':>16s}")
     for rows in PASS_ROWS:
-        a, b = out[f"transformers_{rows}_rows_ms"], out[f"lean_{rows}_rows_ms"]
-        print(f"{rows:<22d}{a:14.1f}{b:10.1f}{a / b:7.2f}x")
-    print(f"largest |logit difference| between the two: {out['max_abs_logit_difference']:.2e}")
+        a, b, c = (out[f"{name}_{rows}_rows_ms"] for name in FORWARDS)
+        print(f"{rows:<22d}{a:14.1f}{b:17.1f}{c:8.1f}{a / c:18.2f}x{b / c:15.2f}x")
+    print(f"largest |logit difference| from transformers' forward: {out['max_abs_logit_difference']:.2e}")
     for label, f in out["fused"].items():
         print(f"layer 0 {label}: fused {f['shape']} {f['fused_us']:.1f} us vs separate {f['separate_us']:.1f} us "
               f"({f['separate_us'] / f['fused_us']:.2f}x), 1 row, best of 5 x 300 calls")

@@ -16,7 +16,8 @@ fused projections below are within fp32 rounding); only the framework around the
 One exception, sdpa on the CPU (`sdpa_gqa`): a masked pass (a verify pass over a filled cache, a padded batch)
 shares each key/value head among its query heads instead of copying it per query head as transformers does. Same
 numbers, same kernel; bit-identical to transformers' forward told to share them (`TRANSFORMERS_SDPA_FORCE_GQA=1`),
-within fp32 rounding of its default (tested). On SmolLM2 it made a 5-token pass ~20% cheaper.
+within fp32 rounding of its default (tested). `python -m toolkit.bench.forward` times it against transformers' copies
+(`LeanForward(share_kv_heads=False)`).
 
 Fused projections (`fuse_projections`): with fp16 weights run by fbgemm (the engine default on x86), each layer's
 q, k and v products become one fbgemm call and gate and up another: 4 calls a layer instead of 7. A 1-row fbgemm
@@ -102,9 +103,9 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attention_function(config, device: torch.device):
+def _attention_function(config, device: torch.device, share_kv_heads: bool):
     name = config._attn_implementation
-    if name == "sdpa" and device.type == "cpu":
+    if name == "sdpa" and device.type == "cpu" and share_kv_heads:
         return sdpa_gqa
     return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
 
@@ -180,8 +181,9 @@ class LeanForward:
     any call after the attention implementation changed to flash or flex attention, goes to transformers' forward.
     It reads the model's modules at each call, so later module swaps (a self-draft's cut) are seen."""
 
-    def __init__(self, model):
+    def __init__(self, model, share_kv_heads: bool = True):
         self.model = model
+        self.share_kv_heads = share_kv_heads  # sdpa on the CPU: sdpa_gqa (False: transformers' sdpa, for comparison)
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = None,
@@ -211,7 +213,7 @@ class LeanForward:
                                   position_ids=position_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        attention = _attention_function(config, hidden.device)
+        attention = _attention_function(config, hidden.device, self.share_kv_heads)
         for layer in inner.layers[:config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
             x = layer.input_layernorm.forward(hidden)  # the norm's own code, without a module call
@@ -267,5 +269,6 @@ def install(model, choice: str = "auto") -> str:
 def rebind(copy_of_model) -> None:
     """After `copy.copy(model)` (a self-draft sharing the target's modules): a lean forward copied with the instance
     still runs the original's layers; give the copy its own."""
-    if isinstance(copy_of_model.__dict__.get("forward"), LeanForward):
-        copy_of_model.forward = LeanForward(copy_of_model)
+    forward = copy_of_model.__dict__.get("forward")
+    if isinstance(forward, LeanForward):
+        copy_of_model.forward = LeanForward(copy_of_model, forward.share_kv_heads)
