@@ -41,7 +41,8 @@ def _prompts(n: int) -> list[str]:
 def _drafts(model, tokenizer, other):
     return {
         "lookup": lambda: LookupDraft(3, 1),
-        "lookup-scaled": lambda: LookupDraft(3, 1, scale_by_match=True),  # the config default
+        "lookup-scaled": lambda: LookupDraft(3, 1, scale_by_match=True),
+        "lookup-agree": lambda: LookupDraft(3, 1, scale_by_match=True, agree_tokens=4, doubt_k=2),  # the default
         "self-int4-1layer": lambda: ModelDraft(build_self_draft(model, layers=1, bits=4, group_size=32)),
         "self-all-layers": lambda: ModelDraft(build_self_draft(model, bits=None)),
         "other-model": lambda: ModelDraft(other, target_tokenizer=tokenizer, draft_tokenizer=tokenizer,
@@ -295,16 +296,41 @@ def test_lookup_scaled_by_match_proposes_fewer_tokens_after_a_shorter_match():
     assert scaled.lookup(context + [0, 0, 99], 9) == []
 
 
+def test_lookup_by_agreement_spends_k_only_where_the_tail_was_followed_the_same_way_before():
+    draft = LookupDraft(ngram_max=3, scale_by_match=True, agree_tokens=2, doubt_k=2)
+    once = [40, 41, 42, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    # "40 41 42" occurs once before the tail: half of k * 3 / 3 (8 of 16)
+    assert draft.lookup(once + [40, 41, 42], 16) == once[3:11]
+    # ... and after a 1-token match, half of k / 3 rounded (3 of 16)
+    assert draft.lookup(once + [0, 0, 42], 16) == once[3:6]
+    # occurs twice, followed both times by "1 2": the passage repeats again, propose the full k
+    twice = once + [40, 41, 42, 1, 2, 77]
+    assert draft.agreement(twice + [40, 41, 42], len(once) + 3, 3) == 1
+    assert draft.lookup(twice + [40, 41, 42], 16) == [1, 2, 77, 40, 41, 42]  # all of the context after the match
+    # occurs twice, followed by "1 2" and then by "9 9": a guess among several, at most doubt_k
+    differ = once + [40, 41, 42, 9, 9, 77, 78]
+    assert draft.agreement(differ + [40, 41, 42], len(once) + 3, 3) == -1
+    assert draft.lookup(differ + [40, 41, 42], 16) == [9, 9]
+    # the rule off: the length by match alone, as before
+    assert LookupDraft(ngram_max=3, scale_by_match=True).lookup(differ + [40, 41, 42], 16) == [9, 9, 77, 78, 40, 41,
+                                                                                               42]
+    with pytest.raises(InputError, match="doubt_k"):
+        LookupDraft(agree_tokens=4, doubt_k=0)
+
+
 def test_the_lookup_options_reach_the_draft_in_generate_bench_and_serve():
     from omegaconf import OmegaConf
 
     from toolkit.serve.speculation import serve_spec
     from toolkit.spec.build import build_draft
 
-    node = OmegaConf.create({"kind": "lookup", "k": 6, "ngram_max": 4, "ngram_min": 2, "scale_by_match": True})
+    node = OmegaConf.create({"kind": "lookup", "k": 6, "ngram_max": 4, "ngram_min": 2, "scale_by_match": True,
+                             "agree_tokens": 3, "doubt_k": 1})
     for draft in (build_draft(node, None, None), serve_spec(node).draft):
-        assert (draft.ngram_max, draft.ngram_min, draft.scale_by_match) == (4, 2, True)
-    assert build_draft("lookup", None, None).scale_by_match is True  # the conf default, for a bare kind name too
+        assert (draft.ngram_max, draft.ngram_min, draft.scale_by_match, draft.agree_tokens, draft.doubt_k) == \
+            (4, 2, True, 3, 1)
+    default = build_draft("lookup", None, None)  # the conf defaults, for a bare kind name too
+    assert (default.scale_by_match, default.agree_tokens, default.doubt_k) == (True, 4, 2)
 
 
 def test_adaptive_length_grows_on_full_acceptance_and_shrinks_on_rejection():

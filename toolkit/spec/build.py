@@ -40,7 +40,8 @@ def draft_length(spec_cfg) -> DraftLength:
 def lookup_draft(spec_cfg) -> LookupDraft:
     """The prompt-lookup draft a `spec=lookup` node describes (a bare kind name gets the defaults)."""
     return LookupDraft(int(_get(spec_cfg, "ngram_max", 3)), int(_get(spec_cfg, "ngram_min", 1)),
-                       bool(_get(spec_cfg, "scale_by_match", True)))
+                       bool(_get(spec_cfg, "scale_by_match", True)), int(_get(spec_cfg, "agree_tokens", 4)),
+                       int(_get(spec_cfg, "doubt_k", 2)))
 
 
 def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = None, engine_cfg=None):

@@ -27,15 +27,29 @@ class LookupDraft:
     `scale_by_match`: propose k * n / ngram_max tokens (rounded, at least 1) after an n-token match instead of k.
     A one-token match is weak evidence that the text repeats, and every proposed token is one more row in the
     target's verify pass, which on a CPU costs a few percent of a step each; proposing few tokens on weak matches
-    and many on strong ones keeps most of the accepted tokens at fewer rows (README, "Speculative decoding")."""
+    and many on strong ones keeps most of the accepted tokens at fewer rows (README, "Speculative decoding").
+
+    `agree_tokens` > 0 (the config default, 4) also asks the context a second question: does the tail occur once
+    more before its latest occurrence, and did the same `agree_tokens` tokens follow it there? If they did, the text
+    is repeating a passage for the second time, and the draft proposes the full k. If they did not, the
+    continuation is a guess among several, and the draft proposes at most `doubt_k` tokens. A tail seen only once
+    gets half of what `scale_by_match` would give it. So k is the most a round proposes, spent only where the
+    context vouches for it. The rule reads the context alone (no state across rounds), so the server's continuous
+    batches use it as is. Why these numbers: replaying the rule on recorded greedy outputs under the measured cost
+    of a verify pass (README, "Draft length by agreement")."""
 
     deterministic = True
 
-    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, scale_by_match: bool = False):
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, scale_by_match: bool = False, agree_tokens: int = 0,
+                 doubt_k: int = 2):
         if not 1 <= ngram_min <= ngram_max:
             raise InputError(f"lookup n-gram sizes must satisfy 1 <= ngram_min <= ngram_max, got "
                              f"{ngram_min}..{ngram_max}", "set spec.ngram_min / spec.ngram_max, e.g. 1 and 3")
+        if agree_tokens < 0 or doubt_k < 1:
+            raise InputError(f"lookup needs agree_tokens >= 0 and doubt_k >= 1, got {agree_tokens} and {doubt_k}",
+                             "set spec.agree_tokens (0 turns the agreement rule off) and spec.doubt_k, e.g. 4 and 2")
         self.ngram_max, self.ngram_min, self.scale_by_match = ngram_max, ngram_min, scale_by_match
+        self.agree_tokens, self.doubt_k = agree_tokens, doubt_k
 
     def reset(self, batch: int, capacity: int, pad_id: int) -> None:
         pass
@@ -51,23 +65,42 @@ class LookupDraft:
                     return start + n, n
         return None
 
-    def draft_length(self, k: int, n: int) -> int:
-        """Tokens to propose after an n-token match, for a round of at most k."""
-        if not self.scale_by_match:
+    def agreement(self, context: list[int], start: int, n: int) -> int:
+        """+1 when the n-token tail's previous occurrence (before the latest, which ends at `start`) was followed by
+        the same `agree_tokens` tokens, -1 when by different ones, 0 when there is no previous occurrence."""
+        tail = context[-n:]
+        for earlier in range(start - n - 1, -1, -1):
+            if context[earlier:earlier + n] == tail:
+                latest = context[start:start + self.agree_tokens]
+                before = context[earlier + n:earlier + n + self.agree_tokens]
+                m = min(len(latest), len(before))
+                return 1 if latest[:m] == before[:m] else -1
+        return 0
+
+    def draft_length(self, k: int, n: int, agreement: int | None = None) -> int:
+        """Tokens to propose after an n-token match, for a round of at most k (`agreement`: see `agreement`; None
+        when the rule is off)."""
+        if agreement == 1:
             return k
-        return max(1, (k * n + self.ngram_max // 2) // self.ngram_max)
+        # k * n / ngram_max (scale_by_match) or k, halved while the rule is on (a tail seen once), rounded half up
+        numerator = k * (n if self.scale_by_match else self.ngram_max)
+        denominator = self.ngram_max * (1 if agreement is None else 2)
+        length = max(1, (numerator + denominator // 2) // denominator)
+        return min(length, self.doubt_k) if agreement == -1 else length
 
     def describe(self, details: str = "") -> str:
         """"lookup (n-grams 1..3, length by match<details>)": how generate, bench and serve name this draft."""
         scaled = ", length by match" if self.scale_by_match else ""
-        return f"lookup (n-grams {self.ngram_min}..{self.ngram_max}{scaled}{details})"
+        agree = f", by agreement of {self.agree_tokens}" if self.agree_tokens else ""
+        return f"lookup (n-grams {self.ngram_min}..{self.ngram_max}{scaled}{agree}{details})"
 
     def lookup(self, context: list[int], k: int) -> list[int]:
         found = self.match(context)
         if found is None:
             return []
         start, n = found
-        return context[start:start + self.draft_length(k, n)]
+        agreement = self.agreement(context, start, n) if self.agree_tokens else None
+        return context[start:start + self.draft_length(k, n, agreement)]
 
     def propose(self, contexts, k, active=None):
         tokens = [self.lookup(ctx, k) if (active is None or active[i]) and k > 0 else []
