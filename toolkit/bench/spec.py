@@ -135,7 +135,7 @@ def _peer(model_name: str, spec_cfg, prompt_ids, new_tokens: int, length: DraftL
           baseline_dtype: str) -> dict:
     """{"peer_assisted": ...}: transformers' assisted generation with the same kind of draft on the float models
     (toolkit.bench.peers), for spec=lookup and for spec=draft with a float draft model; {} otherwise."""
-    from toolkit.bench.peers import assisted_draft_peer, assisted_lookup_peer
+    from toolkit.bench.peers import TRANSFORMERS_LOOKUP_TOKENS, assisted_draft_peer, assisted_lookup_peer
     from toolkit.engine.precision import prepare_model, resolve_precision
     from toolkit.models import load_model
 
@@ -151,8 +151,8 @@ def _peer(model_name: str, spec_cfg, prompt_ids, new_tokens: int, length: DraftL
     target = reference(model_name)
     peer = {"model": model_name, "dtype": baseline_dtype}
     if spec_cfg.kind == "lookup":
-        return {"peer_assisted": {**peer, **assisted_lookup_peer(target, prompt_ids, new_tokens, length.k, repeats,
-                                                                  warmup)}}
+        return {"peer_assisted": {**peer, **assisted_lookup_peer(target, prompt_ids, new_tokens,
+                                                                  TRANSFORMERS_LOOKUP_TOKENS, repeats, warmup)}}
     return {"peer_assisted": {**peer, "draft": draft_name,
                               **assisted_draft_peer(target, reference(draft_name), prompt_ids, new_tokens, repeats,
                                                     warmup)}}
