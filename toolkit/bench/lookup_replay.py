@@ -103,9 +103,9 @@ def measure_costs(model, rows=range(1, MAX_ROWS + 1), context: int = 128, passes
 def run(model_name: str, prompt_sets: list[str], n_prompts: int, new_tokens: int) -> dict:
     from omegaconf import OmegaConf
 
+    from toolkit.cli.app import CONF_DIR
     from toolkit.data import build_prompts
     from toolkit.engine.generate import generate
-    from toolkit.cli.app import CONF_DIR
     from toolkit.engine.setup import load_engine_model
 
     loaded = load_engine_model(model_name, OmegaConf.load(CONF_DIR / "engine" / "default.yaml"))  # as the CLI runs it

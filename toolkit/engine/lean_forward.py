@@ -91,8 +91,9 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     Why: transformers copies the keys and values whenever a mask is given, because CUDA's fused kernels refuse a
     mask with grouped heads. On the CPU the fused kernel takes both; a speculative verify pass (several new tokens
     over a filled cache, so always masked) then skips two copies of the cache per layer. `python -m
-    toolkit.bench.forward` times it. The kernel reads the same numbers in the same order, so the results are
-    bit-identical to transformers' (tested). Used on the CPU only, for the models' "sdpa" implementation."""
+    toolkit.bench.forward` times it. The results are bit-identical to transformers' when it is told to share heads
+    too (`TRANSFORMERS_SDPA_FORCE_GQA=1`) and within fp32 rounding of its copying path (tested; on SmolLM2's shapes
+    identical). Used on the CPU only, for the models' "sdpa" implementation."""
     q_length = query.shape[2]
     is_causal = q_length > 1 and attention_mask is None and getattr(module, "is_causal", True)
     if is_causal and key.shape[2] > q_length:  # as transformers: an empty static cache's prefill, the flash kernel
