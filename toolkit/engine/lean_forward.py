@@ -27,7 +27,9 @@ product's sum differently, so fused results are the separate layers' within fp32
 bit-identical). The fused pack replaces the separate layers' packs (the memory stays what it was); those layers
 keep their fp16 weights for the transformers forward and for products of FBGEMM_MAX_ROWS rows or more, which the
 lean forward sends to them unfused. A pack is used only while the model holds the very layers it packed (a swapped
-layer makes it stale).
+layer makes it stale). Int4 QuantLinear layers on torch's int4 kernel (a quantized checkpoint, the int4 self-draft)
+get the same two packs (`Int4Pack`): the packed layout is blocked along the output dim, so the stacked packs are
+the stacked weights' pack, bit-identical to the separate layers (checked when made, and tested).
 
 Which models: `LlamaForCausalLM` (SmolLM2) and `Qwen2ForCausalLM` without sliding-window layers, under any
 attention implementation but flash and flex attention. Anything else (Gemma 3's sliding windows, other
@@ -130,9 +132,62 @@ class FusedPack(NamedTuple):
         return self.run(x).split(self.sizes, dim=-1)
 
 
-def _fuse(modules) -> FusedPack | None:
-    if not all(type(m) is HalfStorageLinear and getattr(m, "fbgemm_fp16", None) is not None for m in modules):
+class Int4Pack(NamedTuple):
+    """One int4 packed weight (torch's CPU int4pack layout) of several QuantLinear layers stacked along the output
+    dim, run as QuantLinear's kernel path runs each of them (bf16 activations, its group size, fp32 bias after)."""
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    group: int
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
+    max_rows: int
+    sources: tuple
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        xb = x.reshape(rows, x.shape[-1]).to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group, self.scales_and_zeros)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.run(x).split(self.sizes, dim=-1)
+
+
+def _fuse_int4(modules) -> Int4Pack | None:
+    """An Int4Pack of QuantLinear layers that run torch's int4 kernel on the same input width and group, or None.
+    The packed layout is blocked along the output dim, so stacking the layers' packs is the pack of their stacked
+    weights; a trial product against the separate layers confirms it (bit for bit) before the pack is used. Unlike
+    fbgemm's, the layers keep their own packs (their dequantize path for wide products reads them): the fused copy
+    adds half a byte per weight of q,k,v and gate,up, and a decode step reads only the fused one."""
+    from toolkit.quant.qlinear import QuantLinear
+
+    first = modules[0]
+    if not all(type(m) is QuantLinear and m.kernel == "int4pack" and m._code_layout == "packed"
+               and not hasattr(m, "g_idx") and m.kernel_in == m.in_features == first.in_features
+               and m.kernel_group_size == first.kernel_group_size and m.kernel_max_rows == first.kernel_max_rows
+               and m.weight_int4pack.device.type == "cpu" for m in modules):
         return None
+    biases = [m.bias for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([(b.float() if b is not None else torch.zeros(m.out_features))
+                          for m, b in zip(modules, biases)])
+    pack = Int4Pack(torch.cat([m.weight_int4pack for m in modules]),
+                    torch.cat([m.scales_and_zeros for m in modules], dim=1).contiguous(), first.kernel_group_size,
+                    bias, tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules))
+    trial = torch.randn(1, first.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        if not torch.equal(pack.run(trial), torch.cat([m(trial) for m in modules], dim=-1)):
+            return None
+    return pack
+
+
+def _fuse(modules) -> FusedPack | Int4Pack | None:
+    if not all(type(m) is HalfStorageLinear and getattr(m, "fbgemm_fp16", None) is not None for m in modules):
+        return _fuse_int4(modules)
     weight = torch.cat([m.weight.detach().float() for m in modules])
     biases = [m.bias for m in modules]
     bias = None
@@ -146,8 +201,8 @@ def _fuse(modules) -> FusedPack | None:
 
 
 def fuse_projections(model) -> int:
-    """Give each decoder layer of a lean-supported model fused q,k,v and gate,up fbgemm packs (see the module
-    docstring); returns how many packs were made (0 where the layers are not fbgemm fp16 layers)."""
+    """Give each decoder layer of a lean-supported model fused q,k,v and gate,up packs, fbgemm fp16 (see the module
+    docstring) or int4 (`Int4Pack`); returns how many packs were made (0 where the layers are neither)."""
     made = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -160,7 +215,7 @@ def fuse_projections(model) -> int:
     return made
 
 
-def _fused(module, name: str, rows: int, *layers) -> FusedPack | None:
+def _fused(module, name: str, rows: int, *layers) -> FusedPack | Int4Pack | None:
     pack = getattr(module, name, None)
     # fbgemm computes in fp32, so exact_linears (an fp16 overflow's rerun) keeps it, as it keeps the separate packs.
     # A layer swapped since (a self-draft's quantized copy) makes the pack stale: then the layers run themselves.
@@ -272,4 +327,5 @@ def rebind(copy_of_model) -> None:
     still runs the original's layers; give the copy its own."""
     forward = copy_of_model.__dict__.get("forward")
     if isinstance(forward, LeanForward):
+        fuse_projections(copy_of_model)  # its own layers (a self-draft's int4 copies) get packs of their own
         copy_of_model.forward = LeanForward(copy_of_model, forward.share_kv_heads)
