@@ -144,10 +144,10 @@ class Int4Pack(NamedTuple):
     sources: tuple
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
+        from toolkit.quant.qlinear import int4pack_mm
+
         rows = x.numel() // x.shape[-1]
-        xb = x.reshape(rows, x.shape[-1]).to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group, self.scales_and_zeros)
-        y = y.to(x.dtype)
+        y = int4pack_mm(x.reshape(rows, x.shape[-1]), self.packed, self.group, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])

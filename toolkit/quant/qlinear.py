@@ -122,6 +122,15 @@ _INT4PACK_BLOCK_N = 32  # output rows per block of the CPU int4 packed layout (A
 _ALIGN = 64  # the bf16 int8 kernel uses aligned loads (see kernels.py)
 
 
+def int4pack_mm(x2: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """torch's CPU int4 kernel on rows `x2` [rows, in], as bf16 contiguous rows (its only fast activations):
+    [rows, out] in bf16. Shared by QuantLinear and the lean forward's fused int4 packs."""
+    xb = x2.to(FAST_DTYPE)
+    if not xb.is_contiguous():
+        xb = xb.contiguous()
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, group, scales_and_zeros)
+
+
 class QuantLinear(torch.nn.Module):
     """A Linear layer over packed low-bit weights; build it with `QuantLinear.from_quantized`."""
 
@@ -270,8 +279,7 @@ class QuantLinear(torch.nn.Module):
             return torch.ops.aten._weight_int8pack_mm(xb, self.weight_int8, self.scale_bf16)
         if self.kernel_in != self.in_features:
             xb = F.pad(xb, (0, self.kernel_in - self.in_features))
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.weight_int4pack, self.kernel_group_size,
-                                                          self.scales_and_zeros)
+        return int4pack_mm(xb, self.weight_int4pack, self.kernel_group_size, self.scales_and_zeros)
 
     def _blocks(self) -> list[tuple[int, int]]:
         """Output-row ranges to dequantize one at a time (int4pack: aligned to its 32-row blocks)."""
