@@ -41,6 +41,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+from transformers.activations import SiLUActivation
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -57,6 +59,7 @@ from toolkit.errors import InputError
 
 SUPPORTED = (LlamaForCausalLM, Qwen2ForCausalLM)
 NORMS = (LlamaRMSNorm, Qwen2RMSNorm)  # weight * (x * rsqrt(mean(x^2) + eps)), computed in fp32
+SILU = (SiLUActivation, torch.nn.SiLU)  # activations that are F.silu exactly
 
 
 def unsupported_reason(model) -> str | None:
@@ -116,6 +119,36 @@ def _attention_function(config, device: torch.device, share_kv_heads: bool):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # apply_rotary_pos_emb for one tensor (so that q and k side by side can turn in one pass)
     return (x * cos) + (rotate_half(x) * sin)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: then rotate_half(x) * sin == x.roll(half, -1) * _signed_sin(sin) exactly
+    (rotate_half(x) is cat(-x2, x1), the roll is cat(x2, x1), and -a * b == a * -b in IEEE arithmetic)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotate_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # _rotate's numbers in 3 operators instead of 7 (rotate_half is two slices, a negation and a concatenation)
+    return (x * cos) + (x.roll(cos.shape[-1] // 2, -1) * signed_sin)
+
+
+def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """The RMSNorm module's output. In fp32 torch's one-operator rms_norm computes what the module's five do
+    (x * rsqrt(mean(x^2) + eps), times the weight; bit-identical, tested), so it stands in for them; other dtypes
+    keep the module's code, whose casts round where torch's operator does not."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm.forward(x)
+
+
+def _linear(module, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`module(x)`. An fp16-stored layer's fbgemm product (what HalfStorageLinear.forward picks for few fp32 rows)
+    is called directly: the module call and its checks cost about a fifth of the product itself here."""
+    packed = getattr(module, "fbgemm_fp16", None)
+    if packed is not None and rows < module.fbgemm_max_rows and x.dtype == torch.float32:
+        return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+    return module(x)
 
 
 class FusedPack(NamedTuple):
@@ -268,33 +301,37 @@ class LeanForward:
         mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
                                   position_ids=position_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
         attention = _attention_function(config, hidden.device, self.share_kv_heads)
         for layer in inner.layers[:config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
-            x = layer.input_layernorm.forward(hidden)  # the norm's own code, without a module call
+            x = _norm(layer.input_layernorm, hidden)  # the norm's own arithmetic, without a module call
             shape = (batch, length, -1, attn.head_dim)
             qkv = _fused(attn, "specquant_qkv", rows, attn.q_proj, attn.k_proj, attn.v_proj)
             if qkv is not None:  # q and k sit side by side in the fused output: rotate them in one pass
                 out = qkv.run(x)
                 heads = qkv.sizes[0] // attn.head_dim
-                qk = _rotate(out[..., :qkv.sizes[0] + qkv.sizes[1]].view(shape).transpose(1, 2), cos, sin)
+                qk = _rotate_rolled(out[..., :qkv.sizes[0] + qkv.sizes[1]].view(shape).transpose(1, 2), cos, sin)
                 q, k = qk[:, :heads], qk[:, heads:]
                 v = out[..., qkv.sizes[0] + qkv.sizes[1]:]
             else:
-                q = _rotate(attn.q_proj(x).view(shape).transpose(1, 2), cos, sin)
-                k = _rotate(attn.k_proj(x).view(shape).transpose(1, 2), cos, sin)
-                v = attn.v_proj(x)
+                q = _rotate_rolled(_linear(attn.q_proj, x, rows).view(shape).transpose(1, 2), cos, sin)
+                k = _rotate_rolled(_linear(attn.k_proj, x, rows).view(shape).transpose(1, 2), cos, sin)
+                v = _linear(attn.v_proj, x, rows)
             v = v.view(shape).transpose(1, 2)
             passed = {}  # what the cache hands the attention call (the paged cache's plan), as transformers passes it
             if cache is not None:
                 k, v = cache.update(k, v, attn.layer_idx, kwargs=passed)
             out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **passed)
-            hidden = hidden + attn.o_proj(out.reshape(batch, length, -1).contiguous())
-            x = layer.post_attention_layernorm.forward(hidden)
+            hidden = hidden + _linear(attn.o_proj, out.reshape(batch, length, -1).contiguous(), rows)
+            x = _norm(layer.post_attention_layernorm, hidden)
             gate_up = _fused(mlp, "specquant_gate_up", rows, mlp.gate_proj, mlp.up_proj)
-            gate, up = gate_up(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
-            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+            if gate_up is not None:
+                gate, up = gate_up(x)
+            else:
+                gate, up = _linear(mlp.gate_proj, x, rows), _linear(mlp.up_proj, x, rows)
+            act = F.silu(gate) if type(mlp.act_fn) in SILU else mlp.act_fn(gate)
+            hidden = hidden + _linear(mlp.down_proj, act * up, rows)
         hidden = inner.norm.forward(hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
