@@ -302,3 +302,32 @@ def test_the_side_by_side_benchmark_runs_every_forward_on_the_same_tokens(tiny_l
     if fbgemm_available():
         assert set(out["fused"]) == {"q,k,v", "gate,up"}
     print_result(out)
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no fbgemm")
+def test_a_module_swapped_after_a_lean_pass_is_the_one_that_runs(float_model):
+    """The lean forward looks each layer's modules up once and keeps that plan between calls. Swapping a module
+    afterwards (a Linear, a whole layer's MLP projection pair) or giving a norm a new weight Parameter must reach the
+    next pass: the logits then equal those of a lean forward made afresh over the swapped modules, bit for bit
+    (and, with fused packs in play, transformers' forward within fp32 rounding)."""
+    model = prepare_model(float_model, Precision(torch.float32, torch.float16), wide_copy=True, gemm="fbgemm")
+    install(model, "lean")
+    ids = torch.randint(4, model.config.vocab_size, (1, 6))
+    with torch.inference_mode():
+        before = model(input_ids=ids, use_cache=False).logits  # builds the plan
+        plan = model.forward.plan()
+        model(input_ids=ids, use_cache=False)
+        assert model.forward.plan() is plan  # kept between calls while nothing is swapped
+        layer = model.model.layers[0]
+        swapped = torch.nn.Linear(layer.mlp.down_proj.in_features, layer.mlp.down_proj.out_features, bias=False)
+        torch.nn.init.normal_(swapped.weight, std=0.5)
+        layer.mlp.down_proj = swapped  # a plain fp32 Linear where an fbgemm-packed one was
+        layer.self_attn.o_proj = copy.deepcopy(layer.self_attn.o_proj)  # same weights, new module: still right
+        model.model.layers[-1].post_attention_layernorm.weight = torch.nn.Parameter(
+            torch.linspace(0.5, 1.5, model.config.hidden_size))
+        lean = model(input_ids=ids, use_cache=False).logits
+        fresh = LeanForward(model)(input_ids=ids, use_cache=False).logits
+        reference = type(model).forward(model, input_ids=ids, use_cache=False).logits
+    assert not torch.equal(lean, before)
+    assert torch.equal(lean, fresh)
+    torch.testing.assert_close(lean, reference, rtol=1e-5, atol=1e-5)

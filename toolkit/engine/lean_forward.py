@@ -10,8 +10,17 @@ What it is: transformers' `LlamaModel.forward` and `LlamaDecoderLayer.forward` w
 model's own modules (its Linear layers, whatever the engine swapped in: fbgemm fp16, QuantLinear; its norms'
 `forward`; its rotary embedding; the KV cache's own `update`; transformers' causal-mask builder and the attention
 function registered for the model's attention implementation: sdpa, eager, or the paged server's). The arithmetic
-is the same operations in the same order, so the logits are bit-identical to the transformers forward's (tested;
-fused projections below are within fp32 rounding); only the framework around them is gone.
+is the same numbers, so the logits are bit-identical to the transformers forward's (tested; fused projections below
+are within fp32 rounding); only the framework around them is gone.
+
+Fewer operators for the same numbers, each one exact (tested bit for bit against transformers' forward):
+- fp32 norms run torch's one-operator `rms_norm`, which computes what LlamaRMSNorm's five operators compute;
+- rotary embeddings turn q and k with one `roll` against a sin table whose first half is negated, in place of
+  `rotate_half`'s two slices, negation and concatenation (-a * b == a * -b in IEEE arithmetic);
+- fbgemm-packed o and down projections are called directly, and SiLU as `F.silu`, without module calls.
+Each layer's modules are looked up once into a plan (`_LayerPlan`), kept until any module or parameter is
+assigned anywhere (torch's global registration hooks) or packs are fused or dropped: a module swapped after
+`install` is the one that runs (tested).
 
 One exception, sdpa on the CPU (`sdpa_gqa`): a masked pass (a verify pass over a filled cache, a padded batch)
 shares each key/value head among its query heads instead of copying it per query head as transformers does. Same
@@ -60,6 +69,19 @@ from toolkit.errors import InputError
 SUPPORTED = (LlamaForCausalLM, Qwen2ForCausalLM)
 NORMS = (LlamaRMSNorm, Qwen2RMSNorm)  # weight * (x * rsqrt(mean(x^2) + eps)), computed in fp32
 SILU = (SiLUActivation, torch.nn.SiLU)  # activations that are F.silu exactly
+
+# Bumped whenever any module anywhere gets a submodule or parameter assigned (torch's global registration hooks),
+# and when fused packs are made or dropped: a LeanForward's cached layer plan (`_LayerPlan`) is rebuilt when it
+# changed, so a module swapped after `install` (a quantized layer, a self-draft's copy) is always the one that runs.
+_GENERATION = [0]
+
+
+def _bump(*_) -> None:
+    _GENERATION[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_bump)
+torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
 
 
 def unsupported_reason(model) -> str | None:
@@ -245,16 +267,45 @@ def fuse_projections(model) -> int:
         if getattr(mlp, "specquant_gate_up", None) is None:
             mlp.specquant_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
             made += mlp.specquant_gate_up is not None
+    _bump()
     return made
 
 
-def _fused(module, name: str, rows: int, *layers) -> FusedPack | Int4Pack | None:
+def _pack(module, name: str, *layers) -> FusedPack | Int4Pack | None:
+    """`module`'s fused pack of `layers`, or None. A layer swapped since the pack was made (a self-draft's quantized
+    copy) makes it stale: then the layers run themselves. fbgemm computes in fp32, so exact_linears (an fp16
+    overflow's rerun) keeps a fused pack, as it keeps the separate layers' packs."""
     pack = getattr(module, name, None)
-    # fbgemm computes in fp32, so exact_linears (an fp16 overflow's rerun) keeps it, as it keeps the separate packs.
-    # A layer swapped since (a self-draft's quantized copy) makes the pack stale: then the layers run themselves.
-    if pack is None or rows >= pack.max_rows or any(a is not b for a, b in zip(pack.sources, layers)):
+    if pack is None or any(a is not b for a, b in zip(pack.sources, layers)):
         return None
     return pack
+
+
+class _LayerPlan(NamedTuple):
+    """What one decoder layer runs, looked up once (module attribute lookups cost more than some of the operators
+    they feed on a model this small) and reused until a module is swapped (`_GENERATION`)."""
+    attn: torch.nn.Module
+    input_norm: torch.nn.Module
+    qkv: FusedPack | Int4Pack | None
+    q: torch.nn.Module
+    k: torch.nn.Module
+    v: torch.nn.Module
+    o: torch.nn.Module
+    post_norm: torch.nn.Module
+    gate_up: FusedPack | Int4Pack | None
+    gate: torch.nn.Module
+    up: torch.nn.Module
+    silu: bool  # the activation is F.silu exactly
+    act: torch.nn.Module
+    down: torch.nn.Module
+
+    @classmethod
+    def of(cls, layer) -> _LayerPlan:
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(attn, layer.input_layernorm, _pack(attn, "specquant_qkv", attn.q_proj, attn.k_proj, attn.v_proj),
+                   attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.post_attention_layernorm,
+                   _pack(mlp, "specquant_gate_up", mlp.gate_proj, mlp.up_proj), mlp.gate_proj, mlp.up_proj,
+                   type(mlp.act_fn) in SILU, mlp.act_fn, mlp.down_proj)
 
 
 def strip_fused(module) -> None:
@@ -262,17 +313,28 @@ def strip_fused(module) -> None:
     for child in module.modules():
         child.__dict__.pop("specquant_qkv", None)
         child.__dict__.pop("specquant_gate_up", None)
+    _bump()
 
 
 class LeanForward:
     """Stands in for the model's `forward` (see `install`): input_ids, attention_mask, position_ids, an explicit
     `cache`, logits_to_keep. Any other request (inputs_embeds, labels, hidden states, no cache with use_cache), and
     any call after the attention implementation changed to flash or flex attention, goes to transformers' forward.
-    It reads the model's modules at each call, so later module swaps (a self-draft's cut) are seen."""
+    Its layer plan is rebuilt after any module swap, so later swaps (a self-draft's cut) are seen."""
 
     def __init__(self, model, share_kv_heads: bool = True):
         self.model = model
         self.share_kv_heads = share_kv_heads  # sdpa on the CPU: sdpa_gqa (False: transformers' sdpa, for comparison)
+        self._plan: tuple[tuple, list[_LayerPlan]] | None = None  # (what it was built for, the layers' plans)
+
+    def plan(self) -> list[_LayerPlan]:
+        """The decoder layers' plans, rebuilt when a module was swapped or the layer count changed."""
+        inner = self.model.model
+        key = (_GENERATION[0], inner.config.num_hidden_layers)
+        if self._plan is None or self._plan[0] != key:
+            # list(), not a slice: slicing a ModuleList builds a new one, registering modules (a bump of its own)
+            self._plan = key, [_LayerPlan.of(layer) for layer in list(inner.layers)[:inner.config.num_hidden_layers]]
+        return self._plan[1]
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = None,
@@ -303,11 +365,11 @@ class LeanForward:
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
         attention = _attention_function(config, hidden.device, self.share_kv_heads)
-        for layer in inner.layers[:config.num_hidden_layers]:
-            attn, mlp = layer.self_attn, layer.mlp
-            x = _norm(layer.input_layernorm, hidden)  # the norm's own arithmetic, without a module call
+        for plan in self.plan():
+            attn = plan.attn
+            x = _norm(plan.input_norm, hidden)  # the norm's own arithmetic, without a module call
             shape = (batch, length, -1, attn.head_dim)
-            qkv = _fused(attn, "specquant_qkv", rows, attn.q_proj, attn.k_proj, attn.v_proj)
+            qkv = plan.qkv if plan.qkv is not None and rows < plan.qkv.max_rows else None
             if qkv is not None:  # q and k sit side by side in the fused output: rotate them in one pass
                 out = qkv.run(x)
                 heads = qkv.sizes[0] // attn.head_dim
@@ -315,23 +377,23 @@ class LeanForward:
                 q, k = qk[:, :heads], qk[:, heads:]
                 v = out[..., qkv.sizes[0] + qkv.sizes[1]:]
             else:
-                q = _rotate_rolled(_linear(attn.q_proj, x, rows).view(shape).transpose(1, 2), cos, sin)
-                k = _rotate_rolled(_linear(attn.k_proj, x, rows).view(shape).transpose(1, 2), cos, sin)
-                v = _linear(attn.v_proj, x, rows)
+                q = _rotate_rolled(_linear(plan.q, x, rows).view(shape).transpose(1, 2), cos, sin)
+                k = _rotate_rolled(_linear(plan.k, x, rows).view(shape).transpose(1, 2), cos, sin)
+                v = _linear(plan.v, x, rows)
             v = v.view(shape).transpose(1, 2)
             passed = {}  # what the cache hands the attention call (the paged cache's plan), as transformers passes it
             if cache is not None:
                 k, v = cache.update(k, v, attn.layer_idx, kwargs=passed)
             out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **passed)
-            hidden = hidden + _linear(attn.o_proj, out.reshape(batch, length, -1).contiguous(), rows)
-            x = _norm(layer.post_attention_layernorm, hidden)
-            gate_up = _fused(mlp, "specquant_gate_up", rows, mlp.gate_proj, mlp.up_proj)
+            hidden = hidden + _linear(plan.o, out.reshape(batch, length, -1).contiguous(), rows)
+            x = _norm(plan.post_norm, hidden)
+            gate_up = plan.gate_up if plan.gate_up is not None and rows < plan.gate_up.max_rows else None
             if gate_up is not None:
                 gate, up = gate_up(x)
             else:
-                gate, up = _linear(mlp.gate_proj, x, rows), _linear(mlp.up_proj, x, rows)
-            act = F.silu(gate) if type(mlp.act_fn) in SILU else mlp.act_fn(gate)
-            hidden = hidden + _linear(mlp.down_proj, act * up, rows)
+                gate, up = _linear(plan.gate, x, rows), _linear(plan.up, x, rows)
+            act = F.silu(gate) if plan.silu else plan.act(gate)
+            hidden = hidden + _linear(plan.down, act * up, rows)
         hidden = inner.norm.forward(hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
