@@ -59,7 +59,6 @@ from transformers.models.llama.modeling_llama import (
     LlamaForCausalLM,
     LlamaRMSNorm,
     eager_attention_forward,
-    rotate_half,
 )
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, Qwen2RMSNorm
 
@@ -138,11 +137,6 @@ def _attention_function(config, device: torch.device, share_kv_heads: bool):
     return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # apply_rotary_pos_emb for one tensor (so that q and k side by side can turn in one pass)
-    return (x * cos) + (rotate_half(x) * sin)
-
-
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """sin with its first half negated: then rotate_half(x) * sin == x.roll(half, -1) * _signed_sin(sin) exactly
     (rotate_half(x) is cat(-x2, x1), the roll is cat(x2, x1), and -a * b == a * -b in IEEE arithmetic)."""
@@ -151,7 +145,8 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # _rotate's numbers in 3 operators instead of 7 (rotate_half is two slices, a negation and a concatenation)
+    # apply_rotary_pos_emb for one tensor (so that q and k side by side can turn in one pass), in 3 operators
+    # instead of 7 (rotate_half is two slices, a negation and a concatenation)
     return (x * cos) + (x.roll(cos.shape[-1] // 2, -1) * signed_sin)
 
 
@@ -166,10 +161,11 @@ def _norm(norm, x: torch.Tensor) -> torch.Tensor:
 
 def _linear(module, x: torch.Tensor, rows: int) -> torch.Tensor:
     """`module(x)`. An fp16-stored layer's fbgemm product (what HalfStorageLinear.forward picks for few fp32 rows)
-    is called directly: the module call and its checks cost about a fifth of the product itself here."""
-    packed = getattr(module, "fbgemm_fp16", None)
-    if packed is not None and rows < module.fbgemm_max_rows and x.dtype == torch.float32:
-        return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+    is called directly: the module call costs about a fifth of the product itself here."""
+    if type(module) is HalfStorageLinear:
+        y = module.fbgemm_product(x, rows)
+        if y is not None:
+            return y
     return module(x)
 
 
@@ -295,8 +291,7 @@ class _LayerPlan(NamedTuple):
     gate_up: FusedPack | Int4Pack | None
     gate: torch.nn.Module
     up: torch.nn.Module
-    silu: bool  # the activation is F.silu exactly
-    act: torch.nn.Module
+    act: object  # F.silu where the module is exactly that (no module call), else the activation module
     down: torch.nn.Module
 
     @classmethod
@@ -305,7 +300,7 @@ class _LayerPlan(NamedTuple):
         return cls(attn, layer.input_layernorm, _pack(attn, "specquant_qkv", attn.q_proj, attn.k_proj, attn.v_proj),
                    attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.post_attention_layernorm,
                    _pack(mlp, "specquant_gate_up", mlp.gate_proj, mlp.up_proj), mlp.gate_proj, mlp.up_proj,
-                   type(mlp.act_fn) in SILU, mlp.act_fn, mlp.down_proj)
+                   F.silu if type(mlp.act_fn) in SILU else mlp.act_fn, mlp.down_proj)
 
 
 def strip_fused(module) -> None:
@@ -392,8 +387,7 @@ class LeanForward:
                 gate, up = gate_up(x)
             else:
                 gate, up = _linear(plan.gate, x, rows), _linear(plan.up, x, rows)
-            act = F.silu(gate) if plan.silu else plan.act(gate)
-            hidden = hidden + _linear(plan.down, act * up, rows)
+            hidden = hidden + _linear(plan.down, plan.act(gate) * up, rows)
         hidden = inner.norm.forward(hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]

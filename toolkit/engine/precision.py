@@ -105,12 +105,20 @@ class HalfStorageLinear(torch.nn.Linear):
     exact = False  # set on the class by exact_linears()
     fbgemm_max_rows = 0  # products of fewer rows run fbgemm's packed fp16 GEMM, when the layer has one
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
+    def fbgemm_product(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """The product through fbgemm's packed fp16 GEMM when this layer has a pack and `x` is few fp32 rows, else
+        None. fp16 weights widened in registers, fp32 activations and accumulation: the wide path's arithmetic. The
+        lean forward calls this directly (engine/lean_forward.py), skipping the module call."""
         packed = getattr(self, "fbgemm_fp16", None)
         if packed is not None and rows < self.fbgemm_max_rows and x.dtype == torch.float32:
-            # fp16 weights widened in registers, fp32 activations and accumulation: the wide path's arithmetic
             return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        y = self.fbgemm_product(x, rows)
+        if y is not None:
+            return y
         if rows < UPCAST_MIN_ROWS and not HalfStorageLinear.exact:
             y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
             return y if self.bias is None else y + self.bias
