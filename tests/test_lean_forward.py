@@ -238,7 +238,7 @@ def test_a_quantized_self_draft_never_runs_the_targets_fused_fp16_packs(float_mo
     """The int4 self-draft deep-copies the target's layers and swaps their Linear layers for QuantLinear: the copies'
     fused fp16 packs are dropped (and a stale pack would be refused anyway) and replaced by int4 packs of the draft's
     own layers, so the draft runs its int4 weights, exactly as transformers' forward runs them."""
-    from toolkit.engine.lean_forward import Int4Pack
+    from toolkit.engine.lean_forward import Int4N8Pack, Int4Pack
     from toolkit.quant.qlinear import QuantLinear
     from toolkit.spec.self_draft import build_self_draft
 
@@ -248,13 +248,15 @@ def test_a_quantized_self_draft_never_runs_the_targets_fused_fp16_packs(float_mo
     layer = draft.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     assert isinstance(attn.q_proj, QuantLinear)
-    if attn.q_proj.kernel == "int4pack":  # torch's int4 CPU kernel ran the quantized layers: packed int4 too
-        assert isinstance(attn.specquant_qkv, Int4Pack) and isinstance(mlp.specquant_gate_up, Int4Pack)
+    packs = {"int4pack": Int4Pack, "int4n8": Int4N8Pack}  # the int4 kernels' fused packs
+    if attn.q_proj.kernel in packs:  # an int4 kernel runs the quantized layers: packed int4 too
+        kind = packs[attn.q_proj.kernel]
+        assert isinstance(attn.specquant_qkv, kind) and isinstance(mlp.specquant_gate_up, kind)
         assert attn.specquant_qkv.sources == (attn.q_proj, attn.k_proj, attn.v_proj)
     else:
         assert getattr(attn, "specquant_qkv", None) is None and getattr(mlp, "specquant_gate_up", None) is None
     assert target.model.layers[0].self_attn.specquant_qkv is not None  # the target keeps its own
-    assert not isinstance(target.model.layers[0].self_attn.specquant_qkv, Int4Pack)
+    assert not isinstance(target.model.layers[0].self_attn.specquant_qkv, (Int4Pack, Int4N8Pack))
     ids = torch.randint(4, target.config.vocab_size, (1, 6))
     with torch.inference_mode():
         lean = draft(input_ids=ids, use_cache=False).logits
@@ -266,22 +268,28 @@ def test_a_quantized_self_draft_never_runs_the_targets_fused_fp16_packs(float_mo
     assert torch.equal(stale, lean)
 
 
-def test_fused_int4_packs_give_the_quantized_layers_logits_bit_for_bit(float_model, monkeypatch):
-    """QuantLinear layers on torch's int4 kernel (a quantized checkpoint, an int4 self-draft): q,k,v and gate,up run
-    as one int4 product each, bit-identical to the separate layers (prefill, decode, a 5-token pass, a crop); the
-    layers keep their own packs for the dequantize path; act-order layers (a column permutation) are not fused."""
-    from toolkit.engine.lean_forward import Int4Pack, _fuse
+@pytest.mark.parametrize("native", [True, False], ids=["int4n8", "int4pack"])
+def test_fused_int4_packs_give_the_quantized_layers_logits_bit_for_bit(float_model, monkeypatch, native):
+    """QuantLinear layers on an int4 kernel (specquant's own, int4n8, or torch's, int4pack; a quantized checkpoint,
+    an int4 self-draft): q,k,v and gate,up run as one int4 product each, bit-identical to the separate layers
+    (prefill, decode, a 5-token pass, a crop); the layers keep their own packs for the dequantize path; act-order
+    layers (a column permutation) are not fused."""
+    from toolkit.engine.lean_forward import Int4N8Pack, Int4Pack, _fuse
+    from toolkit.quant.qlinear import QuantLinear
     from toolkit.spec.self_draft import build_self_draft
 
     monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")  # as in the bit-identity test above
+    monkeypatch.setattr(QuantLinear, "native_kernels", native)
     target = copy.deepcopy(float_model)
     install(target)
     model = build_self_draft(target, bits=4, group_size=32)  # every decoder Linear an int4 QuantLinear
     attn = model.model.layers[0].self_attn
-    if attn.q_proj.kernel != "int4pack":
-        pytest.skip("torch's int4 CPU kernel does not run these layers here")
-    assert isinstance(attn.specquant_qkv, Int4Pack)
-    assert attn.q_proj.weight_int4pack is not None  # kept for products of kernel_max_rows rows or more
+    kernel = "int4n8" if native else "int4pack"
+    if attn.q_proj.kernel != kernel:
+        pytest.skip(f"the {kernel} int4 kernel does not run these layers here")
+    assert isinstance(attn.specquant_qkv, Int4N8Pack if native else Int4Pack)
+    # the layers keep their own packs, for products of kernel_max_rows rows or more
+    assert getattr(attn.q_proj, "weight_int4n8" if native else "weight_int4pack") is not None
 
     def transformers_forward(**kwargs):
         return type(model).forward(model, **kwargs)

@@ -30,12 +30,13 @@ def test_loaded_checkpoint_runs_low_bit_kernels_and_holds_no_float_weights(int4_
     from omegaconf import OmegaConf
 
     from toolkit.engine.setup import load_engine_model
+    from toolkit.quant import qlinear
     from toolkit.quant.qlinear import QuantLinear
 
     loaded = load_engine_model(str(int4_checkpoint), OmegaConf.create(
         {"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": None, "compile": False}))
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 14 and {m.kernel for m in layers} == {"int4pack"}
+    assert len(layers) == 14 and {m.kernel for m in layers} == {qlinear.int4_kernel()}
     assert not any(p.dim() == 2 and p.shape[0] != loaded.model.config.vocab_size
                    for p in loaded.model.parameters())  # only the embedding/head matrix stays float
 

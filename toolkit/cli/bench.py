@@ -10,7 +10,7 @@ from rich.table import Table
 from toolkit.bench.baseline import float_source
 from toolkit.bench.latency import run_latency_bench
 from toolkit.engine.precision import prepare_model, resolve_precision
-from toolkit.engine.setup import configure_threads, load_quantized_model, prepare_engine_model
+from toolkit.engine.setup import configure_engine, load_quantized_model, prepare_engine_model
 from toolkit.errors import InputError
 from toolkit.machine import machine_facts
 from toolkit.quant.formats import is_quantized_model
@@ -27,7 +27,7 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
 
     if baseline not in ("hf", "none"):
         raise InputError(f"unknown baseline {baseline!r}", "use baseline=hf or baseline=none")
-    threads = configure_threads(engine_cfg.threads)
+    threads = configure_engine(engine_cfg)
     reference = None
     if is_quantized_model(model_name):  # ours, or GPTQ/AWQ format
         # the baseline is transformers on the float model the checkpoint was quantized from

@@ -36,9 +36,10 @@ product's sum differently, so fused results are the separate layers' within fp32
 bit-identical). The fused pack replaces the separate layers' packs (the memory stays what it was); those layers
 keep their fp16 weights for the transformers forward and for products of FBGEMM_MAX_ROWS rows or more, which the
 lean forward sends to them unfused. A pack is used only while the model holds the very layers it packed (a swapped
-layer makes it stale). Int4 QuantLinear layers on torch's int4 kernel (a quantized checkpoint, the int4 self-draft)
-get the same two packs (`Int4Pack`): the packed layout is blocked along the output dim, so the stacked packs are
-the stacked weights' pack, bit-identical to the separate layers (checked when made, and tested).
+layer makes it stale). Int4 QuantLinear layers (a quantized checkpoint, the int4 self-draft) get the same two
+packs, `Int4N8Pack` on specquant's int4 GEMM and `Int4Pack` on torch's int4 kernel: both layouts are blocked along
+the output dim, so the stacked packs are the stacked weights' pack, bit-identical to the separate layers (checked
+when made, and tested).
 
 Which models: `LlamaForCausalLM` (SmolLM2) and `Qwen2ForCausalLM` without sliding-window layers, under any
 attention implementation but flash and flex attention. Anything else (Gemma 3's sliding windows, other
@@ -207,7 +208,55 @@ class Int4Pack(NamedTuple):
         return self.run(x).split(self.sizes, dim=-1)
 
 
-def _fuse_int4(modules) -> Int4Pack | None:
+class Int4N8Pack(NamedTuple):
+    """Several QuantLinear layers on specquant's int4 GEMM (``"int4n8"``, `toolkit.quant.int4_native`) stacked
+    along the output dim: the n8 layout is block-major along it, so the stacked packs are the pack of the stacked
+    weights. Runs as each layer's kernel path does (fp32 activations, bias in the kernel)."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group: int
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
+    max_rows: int
+    sources: tuple
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        from toolkit.quant import int4_native
+
+        rows = x.numel() // x.shape[-1]
+        y = int4_native.linear(x.reshape(rows, x.shape[-1]), self.codes, self.scale, self.zero, self.group, self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.run(x).split(self.sizes, dim=-1)
+
+
+def _fuse_int4n8(modules) -> Int4N8Pack | None:
+    from toolkit.quant.qlinear import QuantLinear
+
+    first = modules[0]
+    if not all(type(m) is QuantLinear and m.kernel == "int4n8" and not hasattr(m, "g_idx")
+               and m.in_features == first.in_features
+               and m.group_size == first.group_size and m.kernel_max_rows == first.kernel_max_rows
+               and m.weight_int4n8.device.type == "cpu" for m in modules):
+        return None
+    biases = [m.bias for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([(b.float() if b is not None else torch.zeros(m.out_features))
+                          for m, b in zip(modules, biases)])
+    pack = Int4N8Pack(torch.cat([m.weight_int4n8 for m in modules]), torch.cat([m.scale for m in modules]),
+                      torch.cat([m.zero for m in modules]), first.group_size, bias,
+                      tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules))
+    trial = torch.randn(1, first.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        if not torch.equal(pack.run(trial), torch.cat([m(trial) for m in modules], dim=-1)):
+            return None
+    return pack
+
+
+def _fuse_int4(modules) -> Int4Pack | Int4N8Pack | None:
     """An Int4Pack of QuantLinear layers that run torch's int4 kernel on the same input width and group, or None.
     The packed layout is blocked along the output dim, so stacking the layers' packs is the pack of their stacked
     weights; a trial product against the separate layers confirms it (bit for bit) before the pack is used. Unlike
@@ -215,6 +264,8 @@ def _fuse_int4(modules) -> Int4Pack | None:
     adds half a byte per weight of q,k,v and gate,up, and a decode step reads only the fused one."""
     from toolkit.quant.qlinear import QuantLinear
 
+    if all(type(m) is QuantLinear and m.kernel == "int4n8" for m in modules):
+        return _fuse_int4n8(modules)
     first = modules[0]
     if not all(type(m) is QuantLinear and m.kernel == "int4pack" and m._code_layout == "packed"
                and not hasattr(m, "g_idx") and m.kernel_in == m.in_features == first.in_features
@@ -236,7 +287,7 @@ def _fuse_int4(modules) -> Int4Pack | None:
     return pack
 
 
-def _fuse(modules) -> FusedPack | Int4Pack | None:
+def _fuse(modules) -> FusedPack | Int4Pack | Int4N8Pack | None:
     if not all(type(m) is HalfStorageLinear and getattr(m, "fbgemm_fp16", None) is not None for m in modules):
         return _fuse_int4(modules)
     weight = torch.cat([m.weight.detach().float() for m in modules])
@@ -267,7 +318,7 @@ def fuse_projections(model) -> int:
     return made
 
 
-def _pack(module, name: str, *layers) -> FusedPack | Int4Pack | None:
+def _pack(module, name: str, *layers) -> FusedPack | Int4Pack | Int4N8Pack | None:
     """`module`'s fused pack of `layers`, or None. A layer swapped since the pack was made (a self-draft's quantized
     copy) makes it stale: then the layers run themselves. fbgemm computes in fp32, so exact_linears (an fp16
     overflow's rerun) keeps a fused pack, as it keeps the separate layers' packs."""
@@ -282,13 +333,13 @@ class _LayerPlan(NamedTuple):
     they feed on a model this small) and reused until a module is swapped (`_GENERATION`)."""
     attn: torch.nn.Module
     input_norm: torch.nn.Module
-    qkv: FusedPack | Int4Pack | None
+    qkv: FusedPack | Int4Pack | Int4N8Pack | None
     q: torch.nn.Module
     k: torch.nn.Module
     v: torch.nn.Module
     o: torch.nn.Module
     post_norm: torch.nn.Module
-    gate_up: FusedPack | Int4Pack | None
+    gate_up: FusedPack | Int4Pack | Int4N8Pack | None
     gate: torch.nn.Module
     up: torch.nn.Module
     act: object  # F.silu where the module is exactly that (no module call), else the activation module

@@ -18,13 +18,34 @@ def configure_threads(threads: int | None) -> int:
     return count
 
 
+def configure_engine(engine_cfg) -> int:
+    """The process-wide engine settings, before any model is loaded: threads (returned) and the low-bit kernels."""
+    choose_lowbit_kernels(engine_cfg.get("lowbit_kernel", "auto"))
+    return configure_threads(engine_cfg.threads)
+
+
+LOWBIT_KERNELS = ("auto", "specquant", "torch")
+
+
+def choose_lowbit_kernels(choice: str) -> None:
+    """Which GEMMs the low-bit QuantLinear layers built from now on run (a quantized checkpoint's, the self-draft's):
+    auto / specquant = specquant's AVX2 int4 and int8 GEMMs where they build (toolkit/quant/int4_native.py,
+    int8_native.py; fp32 activations), torch = torch's int4 / int8 CPU kernels (bf16 activations)."""
+    from toolkit.quant.qlinear import QuantLinear
+
+    if choice not in LOWBIT_KERNELS:
+        raise InputError(f"engine.lowbit_kernel={choice!r} is not one of {', '.join(LOWBIT_KERNELS)}",
+                         "use engine.lowbit_kernel=auto")
+    QuantLinear.native_kernels = choice != "torch"
+
+
 def load_engine_model(name: str, engine_cfg):
     """Load `name` (registry name, directory, hub id) and prepare it for the engine; returns a LoadedModel whose
     `precision` says what it runs in."""
     from toolkit.models import load_model
     from toolkit.quant.formats import is_quantized_model
 
-    configure_threads(engine_cfg.threads)
+    configure_engine(engine_cfg)
     loaded = load_quantized_model(name) if is_quantized_model(name) else load_model(name, dtype=torch.float32)
     loaded.precision = prepare_engine_model(loaded.model, engine_cfg)
     return loaded

@@ -1,29 +1,20 @@
-"""The fused KV dequantization kernel (toolkit/kv/kernels/dequant.c): built with the system C compiler on first use,
-cached under $SPECQUANT_HOME/kernels, called through ctypes on the tensors' memory.
-
-Plain C and ctypes, not a torch extension: it needs no torch headers (a torch extension build takes minutes on two
-cores; this one about a second) and no Python headers. The library's name hashes the source, the compiler flags and
-the CPU's model, so a changed kernel or another machine builds its own. `-march=native` because the cache is read on
-the machine that built it.
+"""The fused KV dequantization kernel (toolkit/kv/kernels/dequant.c): built with the system C compiler on first use
+(`toolkit.cbuild`: cached under $SPECQUANT_HOME/kernels, keyed by source, flags and CPU), called through ctypes on the
+tensors' memory.
 
 Where no compiler is found or the build fails, `kernel()` returns None once, with a warning, and the cache uses torch
 ops (`kv.dequant=torch`, the same values): nothing depends on the kernel being there.
 """
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from toolkit.paths import home
+from toolkit import cbuild
 
 log = logging.getLogger(__name__)
 
@@ -34,49 +25,17 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopen
 MAX_HEAD_DIM = 512  # the kernel's row buffer
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _build(compiler: str, flags: list[str]) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_model()]).encode()).hexdigest()[:16]
-    target = home() / "kernels" / f"kv-dequant-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed into place: never half a file
-        built = Path(tmp) / target.name
-        run = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
-                             timeout=120)
-        if run.returncode:
-            raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-2000:]}")
-        os.replace(built, target)
-    return target
-
-
 def load(flags: tuple[str, ...] = tuple(FLAGS)):
     """Build (once per source, flags and CPU) and load the kernel; None, with a warning, where it cannot be built.
     Tests pass `-mno-avx2` to load the portable path beside the AVX2 one."""
-    if os.environ.get("SPECQUANT_NO_KERNELS"):
+    if cbuild.disabled():
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    compiler = cbuild.compiler()
     if not compiler:
         log.warning("no C compiler found: the quantized KV cache dequantizes with torch ops (slower, same values)")
         return None
     try:
-        try:
-            path = _build(compiler, list(flags))
-        except RuntimeError:  # a compiler without OpenMP: one thread
-            if "-fopenmp" not in flags:
-                raise
-            path = _build(compiler, [f for f in flags if f != "-fopenmp"])
+        path = cbuild.build_openmp(SOURCE, "kv-dequant", compiler, list(flags))
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("the KV dequantization kernel did not build (%s): using torch ops (slower, same values)", e)

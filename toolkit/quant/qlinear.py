@@ -5,9 +5,15 @@ Built from a `QuantizedWeight` (codes + scale + integer zero point, GPTQ convent
 zero points, and the bias, all as buffers. Which path a layer runs is recorded in ``self.kernel``:
 
 * ``"int8pack"`` -- bits=8, symmetric, one group per output channel (``group_size=-1``), ``in_features % 16 == 0``,
-  CPU: int8 codes ``q - 128`` [out, in] for ``aten._weight_int8pack_mm`` (per-channel symmetric, so a grouped or
+  CPU: int8 codes ``q - 128`` [out, in] for specquant's int8 GEMM (`toolkit.quant.int8_native`, fp32, where it
+  builds; ``int8_native`` is then True) or ``aten._weight_int8pack_mm`` (per-channel symmetric, so a grouped or
   asymmetric 8-bit weight cannot use it and takes ``"dequant"``).
-* ``"int4pack"`` -- bits=4, ``g_idx`` None or trivial, CPU, and the int4 kernel's shape rules hold (group size in
+* ``"int4n8"`` -- bits=4, ``g_idx`` None or trivial, CPU, ``out_features % 8 == 0``, even ``in_features`` and group
+  size (a short last group is fine), and specquant's own AVX2 int4 GEMM built here (`toolkit.quant.int4_native`;
+  ``QuantLinear.native_kernels``, ``engine.lowbit_kernel``): its "n8" layout (codes in blocks of 8 output channels, fp32
+  scales and uint8 zero points beside them), fp32 activations, the bias added in the kernel. Products equal the
+  dequantized weight's to fp32 rounding, and on AVX2 it is ~2.5x faster than torch's int4 kernel at one row.
+* ``"int4pack"`` -- where the above does not build: bits=4, ``g_idx`` None or trivial, CPU, and the int4 kernel's shape rules hold (group size in
   32/64/128/256 -- a per-channel weight uses the largest of those dividing ``in_features`` with the scales
   repeated --, ``out_features % 16 == 0``): ``aten._convert_weight_to_int4pack_for_cpu`` layout, the integer zero
   point mapped to the kernel's float zero ``(8 - zero) * scale``. The kernel needs ``in_features % group == 0``; a
@@ -23,7 +29,8 @@ zero points, and the bias, all as buffers. Which path a layer runs is recorded i
 
 forward(x [..., in]) with ``rows = x.numel() // in``:
 
-* kernel layers, ``rows < self.kernel_max_rows``: the kernel with **bfloat16** activations (the only vectorized
+* int4n8 layers, ``rows < self.kernel_max_rows``: specquant's int4 GEMM in fp32.
+* other kernel layers, ``rows < self.kernel_max_rows``: the kernel with **bfloat16** activations (the only vectorized
   path on x86; fp32/fp16 activations run a scalar loop 5-60x slower and are never used), x cast in and the result
   cast back to x's dtype. The same path applies on CPUs with native bf16.
 * int8pack layers, ``rows >= INT8_DYNAMIC_MIN_ROWS`` (prefill): int8 x int8 (`toolkit.quant.int8_dynamic`): the
@@ -100,11 +107,11 @@ from toolkit.quant.kernels import (
     INT8_BF16_K_MULTIPLE,
     int4_zeros_from_zero_point,
 )
-from toolkit.quant import int8_dynamic
+from toolkit.quant import int4_native, int8_dynamic, int8_native
 from toolkit.quant.primitives import pack_int4_rows
 from toolkit.quant.quantized_weight import QuantizedWeight
 
-KERNEL_MAX_ROWS = {"int4pack": 48, "int8pack": 32}
+KERNEL_MAX_ROWS = {"int4n8": 96, "int4pack": 48, "int8pack": 32}
 """Products with fewer rows than this run the low-bit kernel; from it on, dequantize + fp32 F.linear. From the
 medians in the module docstring: int4 at 128 rows 2768 (kernel) vs 2890 us, i.e. about even, so the fp32 path starts at
 128; int8 at 64 rows 1365 vs 1462 us and at 128 rows 2732 vs 2541 us, crossover ~96. Far above the engine's
@@ -134,6 +141,11 @@ def int4pack_mm(x2: torch.Tensor, packed: torch.Tensor, group: int, scales_and_z
 class QuantLinear(torch.nn.Module):
     """A Linear layer over packed low-bit weights; build it with `QuantLinear.from_quantized`."""
 
+    native_kernels = True
+    """4-bit layers run specquant's own AVX2 int4 GEMM (``"int4n8"``, `toolkit.quant.int4_native`) and int8pack layers
+    its int8 GEMM (`toolkit.quant.int8_native`) where they build; False: torch's kernels (``"int4pack"``, torch's
+    int8pack GEMM). Read when a layer is built (`from_quantized`); ``engine.lowbit_kernel`` sets it."""
+
     int8_activations = True
     """int8pack layers run products of `kernel_max_rows` rows or more int8 x int8 (activations quantized per row,
     7 bits); False: dequantize + fp32 F.linear, exact but slower. Set it with `exact_prefill`."""
@@ -145,6 +157,7 @@ class QuantLinear(torch.nn.Module):
         self.kernel_group_size = None  # int4pack: the group the kernel runs with
         self.kernel_in = in_features  # int4pack: the input width the kernel runs (a ragged last group padded)
         self.kernel_max_rows = KERNEL_MAX_ROWS.get(kernel, 0)
+        self.int8_native = False  # int8pack: products below kernel_max_rows run specquant's int8 GEMM
         self._code_layout = None  # dequant path: "int4_rows", "int2_rows" or "uint8"; int4pack: "packed"/"int4_rows"
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None)
@@ -183,6 +196,9 @@ class QuantLinear(torch.nn.Module):
             if (config.bits == 8 and config.symmetric and n_groups == 1 and in_f % INT8_BF16_K_MULTIPLE == 0
                     and bool((zero == 128).all())):
                 kernel = "int8pack"
+            elif (config.bits == 4 and cls.native_kernels and int4_native.supports(out_f, in_f, gs)
+                  and bool(((zero >= 0) & (zero <= 255)).all()) and int4_native.available()):
+                kernel = "int4n8"
             elif config.bits == 4 and _int4_kernel_group(out_f, n_groups * gs, gs) is not None:
                 kernel = "int4pack"
         self = cls(in_f, out_f, config.bits, gs, kernel)
@@ -193,8 +209,18 @@ class QuantLinear(torch.nn.Module):
             w8 = (codes.to(torch.int16) - 128).to(torch.int8).contiguous().clone()  # fresh: 64-byte aligned
             self.register_buffer("weight_int8", w8)
             s = scale.reshape(out_f)
-            self.register_buffer("scale_bf16", s.to(FAST_DTYPE).contiguous())  # the kernel's (bf16) scales
-            self.register_buffer("scale", s.contiguous())  # exact, for the fp32 path
+            self.int8_native = cls.native_kernels and in_f % int8_native.K_MULTIPLE == 0 and int8_native.available()
+            if self.int8_native:  # up to where the int8 x int8 prefill path takes over (~16 us a row here)
+                self.kernel_max_rows = INT8_DYNAMIC_MIN_ROWS
+            else:
+                self.register_buffer("scale_bf16", s.to(FAST_DTYPE).contiguous())  # torch's kernel's (bf16) scales
+            self.register_buffer("scale", s.contiguous())  # exact, for the fp32 path and specquant's int8 GEMM
+        elif kernel == "int4n8":
+            n8_codes, n8_scale, n8_zero = int4_native.pack(codes, scale, zero, gs)
+            self.register_buffer("weight_int4n8", n8_codes)  # [out/8, in/2, 8]
+            self.register_buffer("scale", n8_scale)  # [out/8, n_groups, 8] fp32, exact
+            self.register_buffer("zero", n8_zero)  # [out/8, n_groups, 8] uint8
+            self._code_layout = "n8"
         elif kernel == "int4pack":
             # a ragged last group (SmolLM2's 576 at g128) runs zero-padded to a whole one: the padded codes multiply
             # the zeros appended to x, so any code will do (the kernel needs in % group == 0)
@@ -247,6 +273,8 @@ class QuantLinear(torch.nn.Module):
         if 0 < rows < self.kernel_max_rows:
             y = self._kernel(x.reshape(rows, self.in_features))
             y = y.to(x.dtype)
+            if self._native:
+                return y.reshape(*x.shape[:-1], self.out_features)
         elif rows >= INT8_DYNAMIC_MIN_ROWS and self._runs_int8_dynamic(x):
             y = int8_dynamic.linear(x.reshape(rows, self.in_features).float().contiguous(), self.weight_int8,
                                     self.scale, torch.zeros(self.out_features, dtype=torch.int32),
@@ -263,6 +291,11 @@ class QuantLinear(torch.nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    @property
+    def _native(self) -> bool:
+        """Whether the kernel path runs one of specquant's own GEMMs (fp32, bias inside) rather than torch's."""
+        return self.kernel == "int4n8" or self.int8_native
+
     def _runs_int8_dynamic(self, x: torch.Tensor) -> bool:
         """int8pack prefill: int8 x int8 with per-call activation quantization (`toolkit.quant.int8_dynamic`),
         unless switched off (`exact_prefill`), autograd needs the input, or this torch lacks the oneDNN ops."""
@@ -270,6 +303,10 @@ class QuantLinear(torch.nn.Module):
                 and not (x.requires_grad and torch.is_grad_enabled()) and int8_dynamic.available())
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        if self._native:  # fp32 activations, the bias added in the kernel (forward adds none after)
+            if self.kernel == "int4n8":
+                return int4_native.linear(x2, self.weight_int4n8, self.scale, self.zero, self.group_size, self.bias)
+            return int8_native.linear(x2, self.weight_int8, self.scale, self.bias)
         xb = x2.to(FAST_DTYPE)
         if not xb.is_contiguous():
             xb = xb.contiguous()
@@ -285,6 +322,8 @@ class QuantLinear(torch.nn.Module):
         """Output-row ranges to dequantize one at a time (int4pack: aligned to its 32-row blocks)."""
         n, k = self.out_features, self.in_features
         step = max(1, _DEQUANT_BLOCK_ELEMS // max(k, 1))
+        if self.kernel == "int4n8":  # whole 8-row blocks of its layout
+            step = max(int4_native.BLOCK_N, step // int4_native.BLOCK_N * int4_native.BLOCK_N)
         if self.kernel == "int4pack":
             step = max(_INT4PACK_BLOCK_N, step // _INT4PACK_BLOCK_N * _INT4PACK_BLOCK_N)
         bounds = list(range(0, n, step)) + [n]
@@ -303,6 +342,16 @@ class QuantLinear(torch.nn.Module):
         buf = (torch.empty(size, device=self.scale.device) if fresh else _scratch(size, self.scale.device))
         if self.kernel == "int8pack":
             w = torch.mul(self.weight_int8[n0:n1], self.scale[n0:n1, None], out=buf.view(n, k))
+        elif self.kernel == "int4n8":
+            b0, b1 = n0 // int4_native.BLOCK_N, n1 // int4_native.BLOCK_N
+            w = int4_native.unpack_codes(self.weight_int4n8, b0, b1, out=buf.view(n, k))
+            zero = int4_native.blocked_to_rows(self.zero[b0:b1]).float()
+            scale = int4_native.blocked_to_rows(self.scale[b0:b1])
+            if k % gs:  # a ragged last group: each column's group
+                gi = torch.arange(k, device=w.device) // gs
+                w.sub_(zero[:, gi]).mul_(scale[:, gi])
+            else:
+                w.view(n, k // gs, gs).sub_(zero[:, :, None]).mul_(scale[:, :, None])
         elif self.kernel == "int4pack":  # built as W.T [in, n] so the packed layout is read in order
             kp = self.kernel_in  # in, or in padded to a whole last group
             wt = buf.view(kp, n)
@@ -342,7 +391,14 @@ class QuantLinear(torch.nn.Module):
              f"group_size={group}, kernel={self.kernel}")
         if self.kernel_group_size is not None and self.kernel_group_size != self.group_size:
             s += f" (group {self.kernel_group_size})"
+        if self.int8_native:
+            s += " (specquant int8 GEMM)"
         return s + f", bias={self.bias is not None}"
+
+
+def int4_kernel() -> str:
+    """The kernel 4-bit layers whose shape both kernels take get here: "int4n8" (specquant's own) or "int4pack"."""
+    return "int4n8" if QuantLinear.native_kernels and int4_native.available() else "int4pack"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,86 @@
+"""Build the project's small C kernels with the system compiler on first use, cached under $SPECQUANT_HOME/kernels.
+
+Plain C called through ctypes, not torch extensions: no torch or Python headers (a torch extension build takes
+minutes on two cores; these take about a second). A library's name hashes its source, the compiler, the flags and
+the CPU's model, so a changed kernel or another machine builds its own; `-march=native` is safe because the cache is
+read on the machine that built it. Used by the KV dequantization kernel (toolkit/kv/native.py) and the int4 GEMM
+(toolkit/quant/int4_native.py); each falls back to torch ops where nothing builds.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from toolkit.paths import home
+
+DISABLE_ENV = "SPECQUANT_NO_KERNELS"
+"""Set (to anything) to use torch ops everywhere instead of the C kernels."""
+
+
+def disabled() -> bool:
+    return bool(os.environ.get(DISABLE_ENV))
+
+
+def compiler() -> str | None:
+    """$CC, else cc / gcc / clang on PATH, else None."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build(source: Path, stem: str, compiler: str, flags: list[str]) -> Path:
+    """The shared library of `source` built with `flags` (built once, then found in the cache). Raises RuntimeError
+    with the compiler's message if the build fails."""
+    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags, cpu_model()]).encode()).hexdigest()[:16]
+    target = home() / "kernels" / f"{stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed into place: never half a file
+        built = Path(tmp) / target.name
+        run = subprocess.run([compiler, *flags, "-o", str(built), str(source)], capture_output=True, text=True,
+                             timeout=120)
+        if run.returncode:
+            raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+def build_openmp(source: Path, stem: str, compiler: str, flags: list[str]) -> Path:
+    """`build`, retried without -fopenmp where the compiler has no OpenMP (the kernel then runs one thread)."""
+    try:
+        return build(source, stem, compiler, flags)
+    except RuntimeError:
+        if "-fopenmp" not in flags:
+            raise
+        return build(source, stem, compiler, [f for f in flags if f != "-fopenmp"])
+
+
+def load_library(source: Path, stem: str, flags: list[str], what: str, fallback: str, log: logging.Logger):
+    """ctypes.CDLL of `source` built with `flags` (retried without OpenMP), or None with a warning naming `what`
+    did not build and the `fallback` used instead: no compiler, a failed build, or kernels switched off."""
+    if disabled():
+        return None
+    cc = compiler()
+    if not cc:
+        log.warning("no C compiler found: %s", fallback)
+        return None
+    try:
+        return ctypes.CDLL(str(build_openmp(source, stem, cc, list(flags))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("the %s did not build (%s): %s", what, e, fallback)
+        return None
