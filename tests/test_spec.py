@@ -11,7 +11,8 @@ from toolkit.errors import InputError
 from toolkit.spec.decode import DraftLength, speculative_generate
 from toolkit.spec.drafts import LookupDraft, ModelDraft
 from toolkit.spec.ragged import RaggedBatch
-from toolkit.spec.self_draft import build_self_draft
+from toolkit.spec.draft_head import quantize_draft_head
+from toolkit.spec.self_draft import build_self_draft, describe
 from toolkit.spec.verify import greedy_verify, rejection_verify, residual
 
 
@@ -45,9 +46,15 @@ def _drafts(model, tokenizer, other):
         "lookup-agree": lambda: LookupDraft(3, 1, scale_by_match=True, agree_tokens=4, doubt_k=2),  # the default
         "self-int4-1layer": lambda: ModelDraft(build_self_draft(model, layers=1, bits=4, group_size=32)),
         "self-all-layers": lambda: ModelDraft(build_self_draft(model, bits=None)),
+        "self-int4-head": lambda: ModelDraft(_with_int4_head(build_self_draft(model, layers=1, bits=4, group_size=32))),
         "other-model": lambda: ModelDraft(other, target_tokenizer=tokenizer, draft_tokenizer=tokenizer,
                                           target_vocab=model.get_output_embeddings().weight.shape[0]),
     }
+
+
+def _with_int4_head(draft):
+    quantize_draft_head(draft, 4, 32)
+    return draft
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +70,8 @@ def _ids(result):
     return [s.token_ids for s in result.sequences]
 
 
-@pytest.mark.parametrize("draft_name", ["lookup", "lookup-scaled", "self-int4-1layer", "self-all-layers", "other-model"])
+@pytest.mark.parametrize("draft_name", ["lookup", "lookup-scaled", "self-int4-1layer", "self-all-layers", "other-model",
+                                        "self-int4-head"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_greedy_output_is_the_target_alone_one_sequence_at_a_time(llama_and_gemma, arch, draft_name):
     llama, gemma, tok = llama_and_gemma
@@ -354,6 +362,27 @@ def test_the_self_draft_shares_the_targets_modules_and_leaves_it_untouched(llama
     assert all(a is b for a, b in zip(shared.model.layers, llama.model.layers))
     with pytest.raises(InputError, match="layers"):
         build_self_draft(llama, layers=3)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_drafts_quantized_head_is_its_own_and_close_to_the_float_one(llama_and_gemma, bits):
+    from toolkit.quant.qlinear import QuantLinear
+
+    llama, _, _ = llama_and_gemma
+    head = llama.get_output_embeddings()
+    draft = build_self_draft(llama, layers=1, bits=4, group_size=32)
+    quantize_draft_head(draft, bits, 32)
+    assert isinstance(draft.lm_head, QuantLinear) and draft.lm_head.bits == bits
+    assert llama.get_output_embeddings() is head and isinstance(head, torch.nn.Linear)  # the target keeps its own
+    assert describe(draft).endswith(f"int{bits} head")
+    hidden = torch.randn(3, head.in_features)
+    with torch.no_grad():
+        want, got = head(hidden), draft.lm_head(hidden)
+    assert ((got - want).norm() / want.norm()).item() < (0.2 if bits == 4 else 0.02)
+    with pytest.raises(InputError, match="head_bits"):
+        quantize_draft_head(draft, 3, 32)
+    with pytest.raises(InputError, match="head_group_size"):
+        quantize_draft_head(build_self_draft(llama, layers=1), 4, 48)
 
 
 def test_transformers_assisted_lookup_peer_runs_greedy_and_matches_its_plain_generate(tiny_llama_dir):

@@ -114,7 +114,9 @@ from toolkit.quant.quantized_weight import QuantizedWeight
 KERNEL_MAX_ROWS = {"int4n8": 96, "int4pack": 48, "int8pack": 32}
 """Products with fewer rows than this run the low-bit kernel; from it on, dequantize + fp32 F.linear. From the
 medians in the module docstring: int4 at 128 rows 2768 (kernel) vs 2890 us, i.e. about even, so the fp32 path starts at
-128; int8 at 64 rows 1365 vs 1462 us and at 128 rows 2732 vs 2541 us, crossover ~96. Far above the engine's
+128; int8 at 64 rows 1365 vs 1462 us and at 128 rows 2732 vs 2541 us, crossover ~96. int4n8 (specquant's int4 GEMM,
+~15 us a row for 1536x576, `python -m toolkit.quant.int4_native`) meets the dequant path's ~1.5 ms near 96 rows;
+int8pack layers on specquant's int8 GEMM keep it up to INT8_DYNAMIC_MIN_ROWS (set per layer). Far above the engine's
 UPCAST_MIN_ROWS=4 because dequantizing is a fixed per-call cost that a float-weight layer does not pay, so decode
 and verify batches always stay on the kernel."""
 

@@ -59,6 +59,7 @@ def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = N
         bits = _get(spec_cfg, "bits", 4)
         model = build_self_draft(target, _get(spec_cfg, "layers"), None if bits in (None, 0, 16) else int(bits),
                                  int(_get(spec_cfg, "group_size", 64)))
+        _draft_head(spec_cfg, model)
         return ModelDraft(model, **common)
     name = _get(spec_cfg, "model")
     if not name:
@@ -69,7 +70,17 @@ def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = N
     if engine_cfg is None:
         raise InputError("spec=draft needs the engine config to load its model", "pass engine_cfg")
     loaded = load_engine_model(str(name), engine_cfg)
+    _draft_head(spec_cfg, loaded.model)
     return ModelDraft(loaded.model, target_tokenizer=tokenizer, draft_tokenizer=loaded.tokenizer, **common)
+
+
+def _draft_head(spec_cfg, model) -> None:
+    """spec.head_bits: the draft's own RTN-quantized output head (toolkit/spec/draft_head.py)."""
+    bits = _get(spec_cfg, "head_bits")
+    if bits not in (None, 0, 16):
+        from toolkit.spec.draft_head import quantize_draft_head
+
+        quantize_draft_head(model, int(bits), int(_get(spec_cfg, "head_group_size", 64)))
 
 
 def _vocab(model) -> int:

@@ -109,9 +109,13 @@ def build_self_draft(target, layers: int | None = None, bits: int | None = 4, gr
 
 
 def describe(draft) -> str:
+    from toolkit.quant.qlinear import QuantLinear
+
+    head = draft.get_output_embeddings()
+    head = f", int{head.bits} head" if isinstance(head, QuantLinear) else ""  # spec.head_bits
     info = getattr(draft, "specquant_self_draft", None)
     if info is None:
-        return type(draft).__name__
+        return type(draft).__name__ + head
     weights = f"int{info['bits']} g{info['group_size']}" if info["bits"] else "target weights"
-    return f"self-draft: {info['layers']}/{info['of']} layers, {weights}"
+    return f"self-draft: {info['layers']}/{info['of']} layers, {weights}{head}"
 
