@@ -232,6 +232,22 @@ class Int4N8Pack(NamedTuple):
         return self.run(x).split(self.sizes, dim=-1)
 
 
+def _stacked_bias(modules) -> torch.Tensor | None:
+    """The layers' fp32 biases stacked along the output dim (zeros for a layer without one), or None if none has one."""
+    if all(m.bias is None for m in modules):
+        return None
+    return torch.cat([(m.bias.float() if m.bias is not None else torch.zeros(m.out_features)) for m in modules])
+
+
+def _checked(pack, modules):
+    """`pack` if a trial product equals the separate layers' bit for bit, else None."""
+    trial = torch.randn(1, modules[0].in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        if not torch.equal(pack.run(trial), torch.cat([m(trial) for m in modules], dim=-1)):
+            return None
+    return pack
+
+
 def _fuse_int4n8(modules) -> Int4N8Pack | None:
     from toolkit.quant.qlinear import QuantLinear
 
@@ -241,23 +257,15 @@ def _fuse_int4n8(modules) -> Int4N8Pack | None:
                and m.group_size == first.group_size and m.kernel_max_rows == first.kernel_max_rows
                and m.weight_int4n8.device.type == "cpu" for m in modules):
         return None
-    biases = [m.bias for m in modules]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([(b.float() if b is not None else torch.zeros(m.out_features))
-                          for m, b in zip(modules, biases)])
-    pack = Int4N8Pack(torch.cat([m.weight_int4n8 for m in modules]), torch.cat([m.scale for m in modules]),
-                      torch.cat([m.zero for m in modules]), first.group_size, bias,
-                      tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules))
-    trial = torch.randn(1, first.in_features, generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        if not torch.equal(pack.run(trial), torch.cat([m(trial) for m in modules], dim=-1)):
-            return None
-    return pack
+    return _checked(Int4N8Pack(torch.cat([m.weight_int4n8 for m in modules]), torch.cat([m.scale for m in modules]),
+                               torch.cat([m.zero for m in modules]), first.group_size, _stacked_bias(modules),
+                               tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules)),
+                    modules)
 
 
 def _fuse_int4(modules) -> Int4Pack | Int4N8Pack | None:
-    """An Int4Pack of QuantLinear layers that run torch's int4 kernel on the same input width and group, or None.
+    """An Int4Pack of QuantLinear layers that run torch's int4 kernel on the same input width and group (an
+    Int4N8Pack of layers on specquant's int4 GEMM, `_fuse_int4n8`), or None.
     The packed layout is blocked along the output dim, so stacking the layers' packs is the pack of their stacked
     weights; a trial product against the separate layers confirms it (bit for bit) before the pack is used. Unlike
     fbgemm's, the layers keep their own packs (their dequantize path for wide products reads them): the fused copy
@@ -272,19 +280,10 @@ def _fuse_int4(modules) -> Int4Pack | Int4N8Pack | None:
                and m.kernel_group_size == first.kernel_group_size and m.kernel_max_rows == first.kernel_max_rows
                and m.weight_int4pack.device.type == "cpu" for m in modules):
         return None
-    biases = [m.bias for m in modules]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([(b.float() if b is not None else torch.zeros(m.out_features))
-                          for m, b in zip(modules, biases)])
-    pack = Int4Pack(torch.cat([m.weight_int4pack for m in modules]),
-                    torch.cat([m.scales_and_zeros for m in modules], dim=1).contiguous(), first.kernel_group_size,
-                    bias, tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules))
-    trial = torch.randn(1, first.in_features, generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        if not torch.equal(pack.run(trial), torch.cat([m(trial) for m in modules], dim=-1)):
-            return None
-    return pack
+    return _checked(Int4Pack(torch.cat([m.weight_int4pack for m in modules]),
+                             torch.cat([m.scales_and_zeros for m in modules], dim=1).contiguous(),
+                             first.kernel_group_size, _stacked_bias(modules), tuple(m.out_features for m in modules),
+                             first.kernel_max_rows, tuple(modules)), modules)
 
 
 def _fuse(modules) -> FusedPack | Int4Pack | Int4N8Pack | None:

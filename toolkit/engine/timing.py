@@ -22,6 +22,18 @@ def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[str, float]:
     return out
 
 
+def median_call_us(f, reps: int = 200, warmup: int = 10) -> float:
+    """Median microseconds of one call of `f` over `reps` timed calls, after `warmup` untimed ones (kernel tables)."""
+    for _ in range(warmup):
+        f()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
 @dataclass
 class GenerationTiming:
     """One generation call. `itl_s` has one entry per decode step: new_tokens - 1 of them."""

@@ -8,7 +8,6 @@ ops (`kv.dequant=torch`, the same values): nothing depends on the kernel being t
 
 import ctypes
 import logging
-import subprocess
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,17 +27,9 @@ MAX_HEAD_DIM = 512  # the kernel's row buffer
 def load(flags: tuple[str, ...] = tuple(FLAGS)):
     """Build (once per source, flags and CPU) and load the kernel; None, with a warning, where it cannot be built.
     Tests pass `-mno-avx2` to load the portable path beside the AVX2 one."""
-    if cbuild.disabled():
-        return None
-    compiler = cbuild.compiler()
-    if not compiler:
-        log.warning("no C compiler found: the quantized KV cache dequantizes with torch ops (slower, same values)")
-        return None
-    try:
-        path = cbuild.build_openmp(SOURCE, "kv-dequant", compiler, list(flags))
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("the KV dequantization kernel did not build (%s): using torch ops (slower, same values)", e)
+    lib = cbuild.load_library(SOURCE, "kv-dequant", list(flags), "KV dequantization kernel",
+                              "using torch ops (slower, same values)", log)
+    if lib is None:
         return None
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.sq_dequant.argtypes = [i, p, i64, p, p, p, p, i64, p, i64, i, i, i, i, i, i, p, p, i]

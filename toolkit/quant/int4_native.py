@@ -144,17 +144,10 @@ def _bench(shapes=((192, 576), (1536, 576), (576, 1536), (3072, 576), (49152, 57
            group: int = 64, reps: int = 200) -> None:
     """Median microseconds per call: this kernel, torch's int4 kernel (bf16 activations, its fast path) and
     fbgemm's fp16 GEMM (the engine's float path), same weights, one after another in this process."""
-    import time
+    from toolkit.engine.timing import median_call_us
 
     def timed(f):
-        for _ in range(10):
-            f()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[len(ts) // 2] * 1e6
+        return median_call_us(f, reps)
 
     if not available():
         raise SystemExit("the int4 GEMM kernel is not available here (see the log)")

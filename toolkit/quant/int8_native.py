@@ -80,17 +80,10 @@ def linear(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.T
 def _bench(shapes=((192, 576), (1536, 576), (576, 1536), (49152, 576)), rows=(1, 4, 9, 17), reps: int = 200) -> None:
     """Median microseconds per call: this kernel, torch's int8 kernel (bf16 activations, its fast path) and fbgemm's
     fp16 GEMM (the engine's float path), same weights, one after another in this process."""
-    import time
+    from toolkit.engine.timing import median_call_us
 
     def timed(f):
-        for _ in range(10):
-            f()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[len(ts) // 2] * 1e6
+        return median_call_us(f, reps)
 
     if not available():
         raise SystemExit("the int8 GEMM kernel is not available here (see the log)")
