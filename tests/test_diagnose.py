@@ -78,7 +78,7 @@ def test_every_whatif_was_measured_and_the_recommendation_names_one(report):
     assert set(rows) == {"baseline", *whatifs.ALL} == set(result["whatifs"]["measured"])
     assert sorted(result["whatifs"]["ranking"]) == sorted(rows)
     for row in rows.values():
-        assert row["runs"] == 2 and row["kl"] >= 0
+        assert row["runs"] == 2 and row["kl"] >= -1e-6  # a KL estimate: identical logits round to about 0
     # greedy speculative decoding and the prefix cache (here with nothing to reuse) reproduce the baseline's tokens
     assert rows["lookup"]["token_agreement"] == 1.0 and rows["self"]["token_agreement"] == 1.0
     assert "engine.compile=true" in rows["compile"]["command"] and rows["compile"]["kl"] < 1e-3

@@ -287,6 +287,9 @@ def test_fused_int4_packs_give_the_quantized_layers_logits_bit_for_bit(float_mod
     kernel = "int4n8" if native else "int4pack"
     if attn.q_proj.kernel != kernel:
         pytest.skip(f"the {kernel} int4 kernel does not run these layers here")
+    if not native and attn.q_proj._code_layout != "packed":  # torch's AVX512 layout: not known to stack along out
+        assert attn.specquant_qkv is None
+        pytest.skip("torch's int4 layout on this CPU is not the documented one: its layers are not fused")
     assert isinstance(attn.specquant_qkv, Int4N8Pack if native else Int4Pack)
     # the layers keep their own packs, for products of kernel_max_rows rows or more
     assert getattr(attn.q_proj, "weight_int4n8" if native else "weight_int4pack") is not None
@@ -307,8 +310,10 @@ def test_the_side_by_side_benchmark_runs_every_forward_on_the_same_tokens(tiny_l
     for rows in PASS_ROWS:
         assert all(out[f"{name}_{rows}_rows_ms"] > 0 for name in FORWARDS)
     assert out["max_abs_logit_difference"] < 1e-4  # fused packs: within fp32 rounding of the separate layers
-    if fbgemm_available():
-        assert set(out["fused"]) == {"q,k,v", "gate,up"}
+    from toolkit.engine.precision import resolve_precision
+
+    if fbgemm_available() and resolve_precision("auto") == Precision(torch.float32, torch.float16):
+        assert set(out["fused"]) == {"q,k,v", "gate,up"}  # fbgemm packs: the default where bf16 is not native
     print_result(out)
 
 

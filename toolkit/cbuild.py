@@ -42,10 +42,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def build(source: Path, stem: str, compiler: str, flags: list[str]) -> Path:
-    """The shared library of `source` built with `flags` (built once, then found in the cache). Raises RuntimeError
-    with the compiler's message if the build fails."""
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags, cpu_model()]).encode()).hexdigest()[:16]
+def build(source: Path, stem: str, compiler: str, flags: list[str], includes: tuple[Path, ...] = ()) -> Path:
+    """The shared library of `source` built with `flags` (built once, then found in the cache). `includes`: the files
+    `source` #includes from other folders (their folders go on the include path and their bytes into the cache
+    key, so a changed kernel rebuilds what includes it). Raises RuntimeError with the compiler's message if the
+    build fails."""
+    flags = [*flags, *(f"-I{d}" for d in dict.fromkeys(str(p.parent) for p in includes))]
+    text = source.read_bytes() + b"".join(p.read_bytes() for p in includes)
+    key = hashlib.sha256(text + " ".join([compiler, *flags, cpu_model()]).encode()).hexdigest()[:16]
     target = home() / "kernels" / f"{stem}-{key}.so"
     if target.exists():
         return target
@@ -60,17 +64,18 @@ def build(source: Path, stem: str, compiler: str, flags: list[str]) -> Path:
     return target
 
 
-def build_openmp(source: Path, stem: str, compiler: str, flags: list[str]) -> Path:
+def build_openmp(source: Path, stem: str, compiler: str, flags: list[str], includes: tuple[Path, ...] = ()) -> Path:
     """`build`, retried without -fopenmp where the compiler has no OpenMP (the kernel then runs one thread)."""
     try:
-        return build(source, stem, compiler, flags)
+        return build(source, stem, compiler, flags, includes)
     except RuntimeError:
         if "-fopenmp" not in flags:
             raise
-        return build(source, stem, compiler, [f for f in flags if f != "-fopenmp"])
+        return build(source, stem, compiler, [f for f in flags if f != "-fopenmp"], includes)
 
 
-def load_library(source: Path, stem: str, flags: list[str], what: str, fallback: str, log: logging.Logger):
+def load_library(source: Path, stem: str, flags: list[str], what: str, fallback: str, log: logging.Logger,
+                 includes: tuple[Path, ...] = ()):
     """ctypes.CDLL of `source` built with `flags` (retried without OpenMP), or None with a warning naming `what`
     did not build and the `fallback` used instead: no compiler, a failed build, or kernels switched off."""
     if disabled():
@@ -80,7 +85,7 @@ def load_library(source: Path, stem: str, flags: list[str], what: str, fallback:
         log.warning("no C compiler found: %s", fallback)
         return None
     try:
-        return ctypes.CDLL(str(build_openmp(source, stem, cc, list(flags))))
+        return ctypes.CDLL(str(build_openmp(source, stem, cc, list(flags), includes)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("the %s did not build (%s): %s", what, e, fallback)
         return None

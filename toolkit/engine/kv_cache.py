@@ -46,6 +46,16 @@ class ContiguousKVLayer(CacheLayerMixin):
         self.values = self.value_buffer[:, :, :end]
         return self.keys, self.values
 
+    def advance(self, n: int) -> None:
+        """The next `n` slots were written in place (the native decoder writes keys and values straight into the
+        buffers): count them as filled."""
+        end = self.length + n
+        if end > self.max_length:
+            raise RuntimeError(f"KV cache overflow: {end} tokens > max_length {self.max_length}")
+        self.length = end
+        self.keys = self.key_buffer[:, :, :end]
+        self.values = self.value_buffer[:, :, :end]
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Called before `update` for this step: attention will see the cached prefix plus the new queries.
         return self.length + query_length, 0

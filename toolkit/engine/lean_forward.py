@@ -367,19 +367,33 @@ class LeanForward:
     any call after the attention implementation changed to flash or flex attention, goes to transformers' forward.
     Its layer plan is rebuilt after any module swap, so later swaps (a self-draft's cut) are seen."""
 
-    def __init__(self, model, share_kv_heads: bool = True):
+    def __init__(self, model, share_kv_heads: bool = True, native: bool = True):
         self.model = model
         self.share_kv_heads = share_kv_heads  # sdpa on the CPU: sdpa_gqa (False: transformers' sdpa, for comparison)
+        self.native = native  # int4 stacks run the native decoder where a call allows (toolkit/engine/native_decoder)
         self._plan: tuple[tuple, list[_LayerPlan]] | None = None  # (what it was built for, the layers' plans)
+        self._native = None  # the NativeDecoder of the current plan, or None
+        self.native_reason = ""  # why the current plan has none
 
     def plan(self) -> list[_LayerPlan]:
-        """The decoder layers' plans, rebuilt when a module was swapped or the layer count changed."""
+        """The decoder layers' plans, rebuilt when a module was swapped or the layer count changed (and with them
+        the native decoder's view of the layers)."""
         inner = self.model.model
         key = (_GENERATION[0], inner.config.num_hidden_layers)
         if self._plan is None or self._plan[0] != key:
             # list(), not a slice: slicing a ModuleList builds a new one, registering modules (a bump of its own)
             self._plan = key, [_LayerPlan.of(layer) for layer in list(inner.layers)[:inner.config.num_hidden_layers]]
+            self._native, self.native_reason = None, "engine.forward=lean"
+            if self.native:
+                from toolkit.engine.native_decoder import NativeDecoder
+
+                self._native, self.native_reason = NativeDecoder.of(self.model, self._plan[1])
         return self._plan[1]
+
+    def native_decoder(self):
+        """The native decoder for the model's current layers, or None (`native_reason` says why)."""
+        self.plan()
+        return self._native
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = None,
@@ -405,6 +419,11 @@ class LeanForward:
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(length, device=hidden.device)[None] + past
+        native = self.native_decoder()
+        if native is not None and native.applies(hidden, attention_mask, cache):
+            cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+            hidden = native.run(hidden, cos[0].contiguous(), sin[0].contiguous(), cache)
+            return self._head(hidden, logits_to_keep)
         mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
                                   position_ids=position_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
@@ -438,30 +457,41 @@ class LeanForward:
             else:
                 gate, up = _linear(plan.gate, x, rows), _linear(plan.up, x, rows)
             hidden = hidden + _linear(plan.down, plan.act(gate) * up, rows)
-        hidden = inner.norm.forward(hidden)
+        return self._head(hidden, logits_to_keep)
+
+    def _head(self, hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        hidden = self.model.model.norm.forward(hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
-        return model.lm_head(hidden)
+        return self.model.lm_head(hidden)
 
 
-FORWARDS = ("auto", "lean", "transformers")
+FORWARDS = ("auto", "native", "lean", "transformers")
 
 
 def install(model, choice: str = "auto") -> str:
-    """Make `model`'s forward the lean one where it applies; returns which forward the model now runs. `choice`:
-    auto (lean where supported), lean (an error where not), transformers (leave the model as it is)."""
+    """Make `model`'s forward the lean one where it applies; returns which forward the model now runs: "native"
+    (the lean forward whose int4 decoder stack runs in one C call where a call allows,
+    toolkit/engine/native_decoder.py), "lean" or "transformers". `choice`: auto (the fastest that applies), native
+    or lean (an error where it does not apply), transformers (leave the model as it is)."""
     if choice not in FORWARDS:
         raise InputError(f"unknown engine.forward {choice!r}", f"use one of {', '.join(FORWARDS)}")
     if choice == "transformers":
         return "transformers"
     reason = unsupported_reason(model)
     if reason:
-        if choice == "lean":
-            raise InputError(f"engine.forward=lean cannot run this model: {reason}",
+        if choice in ("lean", "native"):
+            raise InputError(f"engine.forward={choice} cannot run this model: {reason}",
                              "use engine.forward=auto (or transformers), which keeps transformers' forward here")
         return "transformers"
     fuse_projections(model)
-    model.forward = LeanForward(model)
+    forward = LeanForward(model, native=choice != "lean")
+    model.forward = forward
+    if forward.native_decoder() is not None:
+        return "native"
+    if choice == "native":
+        raise InputError(f"engine.forward=native cannot run this model: {forward.native_reason}",
+                         "use engine.forward=auto, which runs the lean forward's torch operators here")
     return "lean"
 
 
@@ -471,4 +501,4 @@ def rebind(copy_of_model) -> None:
     forward = copy_of_model.__dict__.get("forward")
     if isinstance(forward, LeanForward):
         fuse_projections(copy_of_model)  # its own layers (a self-draft's int4 copies) get packs of their own
-        copy_of_model.forward = LeanForward(copy_of_model, forward.share_kv_heads)
+        copy_of_model.forward = LeanForward(copy_of_model, forward.share_kv_heads, forward.native)

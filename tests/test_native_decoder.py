@@ -1,0 +1,173 @@
+"""The native int4 decoder (toolkit/engine/native_decoder.py): an int4 Llama / Qwen2 stack in one C call gives the
+lean forward's logits within fp32 rounding; a row's logits do not depend on the rows fed beside it (bit for bit), so
+speculative greedy output with a native target is the target alone's; calls it cannot run (batches, quantized KV
+caches, bf16) take the torch path; `engine.forward=native` on a model it cannot run is a clear error."""
+
+import copy
+
+import pytest
+import torch
+
+from toolkit.engine import ContiguousKVCache, generate
+from toolkit.engine.lean_forward import LeanForward, install
+from toolkit.engine.native_decoder import NativeDecoder, library
+from toolkit.engine.precision import Precision, prepare_model
+from toolkit.errors import InputError
+
+pytestmark = pytest.mark.skipif(library() is None, reason="the native decoder is not built here (no C compiler, no "
+                                                          "AVX2, or SPECQUANT_NO_KERNELS is set)")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tiny_tokenizer):
+    """A tiny Qwen2: q, k, v biases (which the fused int4 pack carries into the kernel), grouped-query attention."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=True, pad_token_id=tiny_tokenizer.pad_token_id)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def int4_model(request, tiny_llama_dir, tiny_qwen2):
+    """Every decoder Linear an int4 QuantLinear on specquant's kernel (the int4 self-draft of an engine-prepared
+    fp32 model: fp16 output head on fbgemm, whose products are row-independent too), under the lean forward."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.spec.self_draft import build_self_draft
+
+    if request.param == "qwen2":
+        target = copy.deepcopy(tiny_qwen2)
+    else:
+        target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prepare_model(target, Precision(torch.float32, torch.float16), gemm="fbgemm")
+    install(target)
+    model = build_self_draft(target, bits=4, group_size=32)
+    if model.forward.native_decoder() is None:
+        pytest.skip(f"the native decoder does not run this model here: {model.forward.native_reason}")
+    return model
+
+
+def script(forward, model, batch: int = 1):
+    """Logits of: a 9-token prompt (the torch path fills the cache), three decode steps, a 5-token pass on the filled
+    cache (a speculative verify), a crop of 3 of those, one more step."""
+    torch.manual_seed(0)
+    vocab = model.config.vocab_size
+    cache = ContiguousKVCache.for_model(model, 64)
+    out = []
+    with torch.inference_mode():
+        def call(n):
+            out.append(forward(input_ids=torch.randint(4, vocab, (batch, n)), cache=cache, use_cache=True).logits)
+
+        call(9)
+        for _ in range(3):
+            call(1)
+        call(5)
+        cache.crop(cache.get_seq_length() - 3)
+        call(1)
+    return out
+
+
+def test_native_logits_are_the_lean_forwards_within_fp32_rounding(int4_model):
+    native = script(int4_model.forward, int4_model)
+    torch_ops = script(LeanForward(int4_model, native=False), int4_model)
+    assert torch.equal(native[0], torch_ops[0])  # the prompt fills an empty cache through the torch path
+    for a, b in zip(native[1:], torch_ops[1:]):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert not all(torch.equal(a, b) for a, b in zip(native[1:], torch_ops[1:]))  # the C stack really ran
+
+
+def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(int4_model):
+    """A 5-row pass gives each row exactly what five 1-row steps give (what speculative verification needs)."""
+    torch.manual_seed(0)
+    ids = torch.randint(4, int4_model.config.vocab_size, (1, 20))
+    cache = ContiguousKVCache.for_model(int4_model, 64)
+    with torch.inference_mode():
+        int4_model(input_ids=ids[:, :12], cache=cache, use_cache=True)
+        together = int4_model(input_ids=ids[:, 12:17], cache=cache, use_cache=True).logits[0]
+        cache.crop(12)
+        apart = torch.cat([int4_model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits[0]
+                           for i in range(12, 17)])
+    assert torch.equal(together, apart)
+
+
+def test_calls_it_cannot_run_take_the_torch_path(int4_model):
+    """A batch of two, a quantized KV cache: the lean forward's torch operators, bit for bit."""
+    from toolkit.kv import make_kv_cache
+
+    torch_path = LeanForward(int4_model, native=False)
+    assert all(torch.equal(a, b) for a, b in zip(script(int4_model.forward, int4_model, batch=2),
+                                                   script(torch_path, int4_model, batch=2)))
+    ids = torch.randint(4, int4_model.config.vocab_size, (1, 12))
+    results = []
+    for forward in (int4_model.forward, torch_path):
+        cache = make_kv_cache(int4_model, 64, "int4")
+        with torch.inference_mode():
+            forward(input_ids=ids[:, :8], cache=cache, use_cache=True)
+            results.append(forward(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits)
+    assert torch.equal(*results)
+
+
+def test_the_kv_cache_holds_what_the_torch_path_would_have_written(int4_model):
+    torch.manual_seed(0)
+    ids = torch.randint(4, int4_model.config.vocab_size, (1, 14))
+    caches = []
+    for forward in (int4_model.forward, LeanForward(int4_model, native=False)):
+        cache = ContiguousKVCache.for_model(int4_model, 64)
+        with torch.inference_mode():
+            forward(input_ids=ids[:, :9], cache=cache, use_cache=True)
+            forward(input_ids=ids[:, 9:], cache=cache, use_cache=True)
+        caches.append(cache)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert a.length == b.length == 14
+        assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
+
+
+@pytest.mark.parametrize("draft_kind", ["lookup", "self-int4"])
+def test_speculative_greedy_output_with_a_native_target_is_the_target_alone(int4_model, tiny_tokenizer, draft_kind):
+    from toolkit.spec.decode import DraftLength, speculative_generate
+    from toolkit.spec.drafts import LookupDraft, ModelDraft
+    from toolkit.spec.self_draft import build_self_draft
+
+    import pydoc_data.topics
+
+    texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 400]
+    prompts = [texts[3 * i][:50 + 9 * i] + " " + texts[3 * i][:20] for i in range(6)]
+    reference = [s.token_ids for s in generate(int4_model, tiny_tokenizer, prompts, 20, stop_tokens=set()).sequences]
+    for i, prompt in enumerate(prompts):
+        draft = LookupDraft(3, 1) if draft_kind == "lookup" else ModelDraft(
+            build_self_draft(int4_model, layers=1, bits=4, group_size=32))
+        length = DraftLength(k=2 + i % 4, adaptive=i % 2 == 1, k_min=1, k_max=6)
+        out = speculative_generate(int4_model, tiny_tokenizer, [prompt], 20, draft, length, stop_tokens=set())
+        assert out.sequences[0].token_ids == reference[i], i
+
+
+def test_native_forward_on_a_model_it_cannot_run_is_a_clear_error(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with pytest.raises(InputError, match="engine.forward=native cannot run this model: not every"):
+        install(model, "native")
+    assert install(model, "auto") == "lean"  # float layers: the lean forward's torch path
+
+
+def test_the_native_view_follows_a_swapped_layer(int4_model):
+    """A layer swapped after install (a float Linear in place of an int4 one) turns the native decoder off."""
+    assert isinstance(int4_model.forward.native_decoder(), NativeDecoder)
+    layer = int4_model.model.layers[0].mlp
+    down = layer.down_proj
+    layer.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
+    try:
+        assert int4_model.forward.native_decoder() is None
+        assert "not every" in int4_model.forward.native_reason
+    finally:
+        layer.down_proj = down
+    assert int4_model.forward.native_decoder() is not None

@@ -1,0 +1,167 @@
+/* A Llama/Qwen2 decoder stack for one sequence in one C call: RMSNorm, fused q,k,v int4 product, rotary, KV cache
+ * write, causal attention over the cache, o product, residual, RMSNorm, fused gate,up product, SiLU * up, down
+ * product, residual -- for every layer, M new rows at once (a decode step, a speculative verify pass, a short
+ * prompt). Driven by toolkit/engine/native_decoder.py, which documents when it runs.
+ *
+ * Why: on SmolLM2-135M a decode step through torch spends most of its time around ~40 small operators per layer
+ * (each a dispatch, an allocation, a thread fork), not in the weights. Here a layer is four int4 GEMMs (the kernel
+ * of toolkit/quant/c/int4_gemm.c, included below) and a few loops over a few thousand floats.
+ *
+ * Exactness: the same model in fp32, not bit-identical to torch's operators (sums are taken in another order);
+ * the Python side tests it against transformers' forward within fp32 rounding. What it guarantees instead is row
+ * independence: row i's result depends only on the cache and on rows 0..i's keys and values, computed by the same
+ * operations in the same order whatever M is -- so a verify pass over k+1 rows gives each row exactly the answer
+ * one-row decoding gives, and speculative greedy output is token-identical to the target alone.
+ *
+ * Layouts: hidden [M, d] fp32 (updated in place); cos, sin [M, head_dim] (transformers' rotary tables for the rows'
+ * positions); each layer's keys and values in [kv_heads, cap, head_dim] fp32 buffers (a ContiguousKVLayer's
+ * buffers for batch 1), the new rows written at slots start .. start+M-1. The fused q,k,v product's columns are
+ * q (heads*head_dim) | k (kv_heads*head_dim) | v; gate,up's are gate (inter) | up (inter).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "int4_gemm.c"
+
+typedef struct {
+    const uint8_t *codes;
+    const float *scale;
+    const uint8_t *zero;
+    const float *bias; /* NULL: none */
+    int64_t n, k, g;
+} sq_q4;
+
+typedef struct {
+    const float *in_norm, *post_norm;
+    sq_q4 qkv, o, gate_up, down;
+} sq_layer;
+
+typedef struct {
+    int64_t d, heads, kv_heads, head_dim, inter, cap;
+    float eps, scaling;
+} sq_dims;
+
+static int q4(const sq_q4 *w, const float *x, int64_t M, float *y) {
+    return sq_int4_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
+}
+
+/* y = w * (x * (1 / sqrt(mean(x^2) + eps))), per row; the sum of squares in fixed order */
+static void rms_norm(const float *x, const float *w, int64_t M, int64_t d, float eps, float *y) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * d;
+        float ss = 0.f;
+        for (int64_t i = 0; i < d; i++) ss += xr[i] * xr[i];
+        const float r = 1.f / sqrtf(ss / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) y[m * d + i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* transformers' apply_rotary_pos_emb for one head: x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1) */
+static void rotate(const float *x, const float *c, const float *s, int64_t hd, float *out) {
+    const int64_t h = hd / 2;
+    for (int64_t j = 0; j < h; j++) out[j] = x[j] * c[j] - x[j + h] * s[j];
+    for (int64_t j = h; j < hd; j++) out[j] = x[j] * c[j] + x[j - h] * s[j];
+}
+
+#ifdef __AVX2__
+static inline float dot(const float *a, const float *b, int64_t n) { /* n % 8 == 0; fixed order */
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+#endif
+
+/* one query row of one head over keys/values 0..len-1: softmax(q.K * scaling) V into out[hd]; p: len floats */
+static void attend(const float *q, const float *kb, const float *vb, int64_t len, int64_t hd, float scaling,
+                   float *p, float *out) {
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        p[t] = dot(q, kb + t * hd, hd) * scaling;
+        if (p[t] > mx) mx = p[t];
+    }
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; t++) {
+        p[t] = expf(p[t] - mx);
+        sum += p[t];
+    }
+    for (int64_t j = 0; j < hd; j++) out[j] = 0.f;
+    for (int64_t t = 0; t < len; t++) {
+        const float w = p[t];
+        const float *v = vb + t * hd;
+        for (int64_t j = 0; j < hd; j++) out[j] += w * v[j];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < hd; j++) out[j] *= inv;
+}
+
+int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, float *hidden, int64_t M,
+                      const float *cos, const float *sin, float *const *kbuf, float *const *vbuf, int64_t start) {
+#ifndef __AVX2__
+    return 2;
+#else
+    const int64_t d = dm->d, H = dm->heads, KV = dm->kv_heads, hd = dm->head_dim, I = dm->inter, cap = dm->cap;
+    const int64_t qn = H * hd, kvn = KV * hd, qkvn = qn + 2 * kvn, group = H / KV, end = start + M;
+    if (M <= 0 || hd % 8 || H % KV || end > cap) return 1;
+    const int64_t width = qkvn > 2 * I ? qkvn : 2 * I;
+    float *xn = malloc(sizeof(float) * M * (d > I ? d : I));
+    float *wide = malloc(sizeof(float) * M * width);
+    float *att = malloc(sizeof(float) * M * qn);
+    float *proj = malloc(sizeof(float) * M * d);
+    float *scores = malloc(sizeof(float) * H * M * end);
+    int rc = (!xn || !wide || !att || !proj || !scores) ? 3 : 0;
+    for (int64_t l = 0; l < n_layers && !rc; l++) {
+        const sq_layer *L = layers + l;
+        float *kc = kbuf[l], *vc = vbuf[l];
+        rms_norm(hidden, L->in_norm, M, d, dm->eps, xn);
+        if ((rc = q4(&L->qkv, xn, M, wide))) break;
+        float tmp[512];
+        if (hd > 512) { rc = 1; break; }
+        for (int64_t m = 0; m < M; m++) {
+            float *row = wide + m * qkvn;
+            const float *c = cos + m * hd, *s = sin + m * hd;
+            for (int64_t h = 0; h < H; h++) {
+                rotate(row + h * hd, c, s, hd, tmp);
+                memcpy(row + h * hd, tmp, sizeof(float) * hd);
+            }
+            for (int64_t h = 0; h < KV; h++) {
+                rotate(row + qn + h * hd, c, s, hd, kc + (h * cap + start + m) * hd);
+                memcpy(vc + (h * cap + start + m) * hd, row + qn + kvn + h * hd, sizeof(float) * hd);
+            }
+        }
+#pragma omp parallel for schedule(static) if (H * M * end > 4096)
+        for (int64_t hm = 0; hm < H * M; hm++) {
+            const int64_t h = hm / M, m = hm % M, kvh = h / group;
+            attend(wide + m * qkvn + h * hd, kc + kvh * cap * hd, vc + kvh * cap * hd, start + m + 1, hd,
+                   dm->scaling, scores + hm * end, att + m * qn + h * hd);
+        }
+        if ((rc = q4(&L->o, att, M, proj))) break;
+        for (int64_t i = 0; i < M * d; i++) hidden[i] += proj[i];
+        rms_norm(hidden, L->post_norm, M, d, dm->eps, xn);
+        if ((rc = q4(&L->gate_up, xn, M, wide))) break;
+        for (int64_t m = 0; m < M; m++) {
+            const float *g = wide + m * 2 * I, *u = g + I;
+            float *a = xn + m * I;
+            for (int64_t j = 0; j < I; j++) a[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+        }
+        if ((rc = q4(&L->down, xn, M, proj))) break;
+        for (int64_t i = 0; i < M * d; i++) hidden[i] += proj[i];
+    }
+    free(xn);
+    free(wide);
+    free(att);
+    free(proj);
+    free(scores);
+    return rc;
+#endif
+}

@@ -1,0 +1,240 @@
+"""A whole int4 decoder stack in one C call per forward (toolkit/engine/c/decoder_layers.c): the lean forward's
+"native" path for quantized checkpoints and the int4 self-draft.
+
+Why: with int4 weights on specquant's GEMM, a SmolLM2-135M decode step through torch ops spent ~17 ms against a
+~4 ms bandwidth floor; what remained was ~40 small operators per layer (norms, rotary, cache writes, attention,
+residuals), each a dispatch, an allocation and a thread fork, not the weights. Here each layer is four int4 GEMMs
+(the same kernel, `toolkit.quant.int4_native`) and a few C loops. `python -m toolkit.engine.native_decoder` times
+it against the lean forward's torch path on the same model and cache.
+
+When it runs (`NativeDecoder.applies`; anything else takes the lean forward's torch path, same model):
+- every decoder layer's q,k,v and gate,up are fused `Int4N8Pack`s and o, down `"int4n8"` QuantLinear layers (a
+  quantized int4 checkpoint or the int4 self-draft on specquant's kernels), its norms RMSNorms, its activation
+  SiLU, full rotary (no partial rotary, no sliding windows: what the lean forward already requires);
+- activations and KV cache in fp32, one sequence (batch 1, no padding mask), the cache a `ContiguousKVCache`
+  already holding the prompt (the quantized and paged caches take the torch path), fewer new rows than the
+  packs' `max_rows` (decode, verify passes, short prompts).
+
+Numbers: the same model in fp32, within fp32 rounding of transformers' forward (sums in another order; tested on
+the logits), not bit-identical to it. Rows are independent by construction: row i's result is the same whatever
+the number of rows fed beside it, so a speculative verify pass gives each position exactly what one-row decoding
+gives, and speculative greedy output stays token-identical to the target alone (tested).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from toolkit import cbuild
+from toolkit.quant import int4_native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "c" / "decoder_layers.c"
+FLAGS = [*int4_native.FLAGS, "-lm"]  # the int4 GEMM's flags (no FP contraction: row independence), and libm
+
+
+class _Q4(ctypes.Structure):
+    """One int4 product: an n8 pack (`toolkit.quant.int4_native`), its fp32 bias or NULL, out, in and group."""
+    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Q4), ("o", _Q4),
+                ("gate_up", _Q4), ("down", _Q4)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("d", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("cap", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scaling", ctypes.c_float)]
+
+
+def load():
+    """Build (once per source, flags and CPU) and load the library, or None with a warning."""
+    lib = cbuild.load_library(SOURCE, "decoder-layers", list(FLAGS), "native int4 decoder",
+                              "int4 models run the lean forward's torch operators", log,
+                              includes=(int4_native.SOURCE,))
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.sq_decoder_layers.argtypes = [p, i64, p, p, i64, p, p, p, p, i64]
+    lib.sq_decoder_layers.restype = ctypes.c_int
+    return lib
+
+
+@lru_cache(maxsize=1)
+def library():
+    return load() if int4_native.available() else None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _q4(codes, scale, zero, bias, group: int) -> _Q4:
+    return _Q4(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), _ptr(bias), codes.shape[0] * 8,
+               codes.shape[1] * 2, group)
+
+
+def _single(layer) -> tuple | None:
+    """(codes, scale, zero, bias, group) of an "int4n8" QuantLinear run by the kernel, else None."""
+    from toolkit.quant.qlinear import QuantLinear
+
+    if type(layer) is not QuantLinear or layer.kernel != "int4n8" or hasattr(layer, "g_idx"):
+        return None
+    bias = None if layer.bias is None else layer.bias.float().contiguous()
+    return layer.weight_int4n8, layer.scale, layer.zero, bias, layer.group_size
+
+
+def _fp32(norm) -> torch.Tensor | None:
+    w = norm.weight
+    return w if w.dtype == torch.float32 and w.is_contiguous() else None
+
+
+class NativeDecoder:
+    """The C stack's view of a model's layers (built from the lean forward's layer plans, see `of`); `run` advances
+    one sequence's hidden states through every layer in one call."""
+
+    def __init__(self, layers: list, keep: list, dims: _Dims, max_rows: int, n_layers: int):
+        self.layers = (_Layer * n_layers)(*layers)
+        self._keep = keep  # tensors the C structs point into (fp32 bias copies), alive as long as this
+        self.dims = dims
+        self.max_rows = max_rows
+        self.n_layers = n_layers
+
+    @classmethod
+    def of(cls, model, plans) -> tuple[NativeDecoder | None, str]:
+        """The native stack for `model`'s layer plans, or (None, why not)."""
+        from toolkit.engine.lean_forward import Int4N8Pack
+
+        if library() is None:
+            return None, "the native decoder did not build (no C compiler, no AVX2, or SPECQUANT_NO_KERNELS)"
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = getattr(model.model, "rotary_emb", None)
+        if rotary is None or getattr(rotary, "inv_freq", None) is None or rotary.inv_freq.numel() * 2 != head_dim:
+            return None, "partial or missing rotary embedding"
+        if head_dim % 8 or head_dim > 512:
+            return None, f"head_dim {head_dim} (needs a multiple of 8, at most 512)"
+        layers, keep, max_rows = [], [], None
+        for plan in plans:
+            qkv, gate_up = plan.qkv, plan.gate_up
+            o, down = _single(plan.o), _single(plan.down)
+            if not (type(qkv) is Int4N8Pack and type(gate_up) is Int4N8Pack and o and down):
+                return None, "not every q,k,v / gate,up / o / down product is int4 on specquant's kernel"
+            if plan.act is not F.silu:
+                return None, "an activation that is not SiLU"
+            norms = _fp32(plan.input_norm), _fp32(plan.post_norm)
+            if any(n is None for n in norms):
+                return None, "norm weights not in fp32"
+            if len(qkv.sizes) != 3 or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1]:
+                return None, "unexpected fused pack shapes"
+            keep += [t for t in (qkv.bias, gate_up.bias, o[3], down[3]) if t is not None]
+            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
+                                 _q4(qkv.codes, qkv.scale, qkv.zero, qkv.bias, qkv.group),
+                                 _q4(*o), _q4(gate_up.codes, gate_up.scale, gate_up.zero, gate_up.bias, gate_up.group),
+                                 _q4(*down)))
+            max_rows = min(qkv.max_rows, gate_up.max_rows) if max_rows is None else min(max_rows, qkv.max_rows)
+            keep += [norms[0], norms[1]]
+        attn = plans[0].attn
+        heads = plans[0].qkv.sizes[0] // head_dim
+        kv_heads = plans[0].qkv.sizes[1] // head_dim
+        eps = plans[0].input_norm.variance_epsilon
+        if any(p.input_norm.variance_epsilon != eps or p.post_norm.variance_epsilon != eps for p in plans):
+            return None, "norms with different epsilons"
+        dims = _Dims(config.hidden_size, heads, kv_heads, head_dim, plans[0].gate_up.sizes[0], 0, eps, attn.scaling)
+        return cls(layers, keep, dims, max_rows, len(plans)), ""
+
+    def applies(self, hidden: torch.Tensor, attention_mask, cache) -> bool:
+        """Whether this call can run natively (see the module docstring); cheap checks only."""
+        from toolkit.engine.kv_cache import ContiguousKVLayer
+
+        batch, rows = hidden.shape[0], hidden.shape[1]
+        if batch != 1 or rows >= self.max_rows or hidden.dtype != torch.float32 or cache is None:
+            return False
+        layers = getattr(cache, "layers", None)
+        if not layers or len(layers) < self.n_layers or type(layers[0]) is not ContiguousKVLayer:
+            return False
+        first = layers[0]
+        if (not first.is_initialized or first.key_buffer.dtype != torch.float32 or first.key_buffer.shape[0] != 1
+                or not first.key_buffer.is_contiguous()):
+            return False
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return False
+        return first.length + rows <= first.max_length
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        """hidden [1, M, d] fp32 (consumed: updated in place and returned) through every layer; cos, sin [M,
+        head_dim] for the rows' positions. Writes the rows' keys and values at the cache's next slots and advances
+        it."""
+        layers = cache.layers[:self.n_layers]
+        start = layers[0].length
+        if any(layer.length != start or type(layer) is not type(layers[0]) for layer in layers):
+            raise RuntimeError("the KV cache's layers hold different lengths")
+        keys = (ctypes.c_void_p * self.n_layers)(*(layer.key_buffer.data_ptr() for layer in layers))
+        values = (ctypes.c_void_p * self.n_layers)(*(layer.value_buffer.data_ptr() for layer in layers))
+        self.dims.cap = layers[0].max_length
+        rows = hidden.shape[1]
+        rc = library().sq_decoder_layers(ctypes.byref(self.layers), self.n_layers, ctypes.byref(self.dims),
+                                         hidden.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), keys, values, start)
+        if rc:
+            raise RuntimeError(f"the native decoder failed (rc {rc})")
+        for layer in layers:
+            layer.advance(rows)
+        return hidden
+
+
+def _bench(model: str, context: int = 128, rounds: int = 5, passes: int = 20) -> None:
+    """A decode step and 5- and 9-token passes (speculative verifies) on a `context`-token cache, the native decoder
+    against the lean forward's torch operators over the same loaded model, alternating (median ms per pass)."""
+    import time
+
+    from omegaconf import OmegaConf
+
+    from toolkit.engine.kv_cache import ContiguousKVCache
+    from toolkit.engine.lean_forward import LeanForward
+    from toolkit.engine.setup import load_engine_model
+
+    engine = OmegaConf.load(Path(__file__).parents[2] / "conf" / "engine" / "default.yaml")
+    loaded = load_engine_model(model, engine)
+    m = loaded.model
+    if loaded.model.specquant_forward != "native":
+        raise SystemExit(f"{model}: the native decoder does not run this model ({m.forward.native_reason})")
+    forwards = {"native": m.forward, "torch ops": LeanForward(m, native=False)}
+    ids = torch.randint(4, m.config.vocab_size, (1, context + 9), generator=torch.Generator().manual_seed(0))
+    print(f"{loaded.name}, {loaded.precision.name}, {torch.get_num_threads()} threads, {context}-token cache; "
+          f"median ms per pass of {rounds} rounds x {passes}")
+    print(f"{'new tokens':>10} {'lean, torch ops':>16} {'native':>8} {'ratio':>7}")
+    with torch.inference_mode():
+        caches = {}
+        for name, forward in forwards.items():
+            caches[name] = ContiguousKVCache.for_model(m, context + 16)
+            forward(input_ids=ids[:, :context], cache=caches[name], use_cache=True)
+        for n in (1, 5, 9):
+            times = {name: [] for name in forwards}
+            for _ in range(rounds):
+                for name, forward in forwards.items():
+                    cache = caches[name]
+                    start = time.perf_counter()
+                    for _ in range(passes):
+                        cache.crop(context)
+                        forward(input_ids=ids[:, context:context + n], cache=cache, use_cache=True)
+                    times[name].append((time.perf_counter() - start) / passes * 1e3)
+            lean, native = (sorted(times[k])[rounds // 2] for k in ("torch ops", "native"))
+            print(f"{n:>10} {lean:>16.2f} {native:>8.2f} {lean / native:>6.2f}x")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from toolkit.paths import home
+
+    _bench(sys.argv[1] if len(sys.argv) > 1 else str(home() / "checkpoints" / "smollm2-135m-gptq-w4g64"))
