@@ -41,6 +41,12 @@ packs, `Int4N8Pack` on specquant's int4 GEMM and `Int4Pack` on torch's int4 kern
 the output dim, so the stacked packs are the stacked weights' pack, bit-identical to the separate layers (checked
 when made, and tested).
 
+Native int4 decoder (`toolkit/engine/native_decoder.py`): where every layer's products are int4 on specquant's
+kernel (a quantized checkpoint, the int4 self-draft), a call it can run (fp32, one sequence, the fp cache holding the
+prompt, few rows) goes through the whole decoder stack in one C call instead of the loop below: within fp32
+rounding of it, not bit-identical, but row-independent bit for bit. `LeanForward(native=False)` (engine.forward=lean)
+keeps the loop.
+
 Which models: `LlamaForCausalLM` (SmolLM2) and `Qwen2ForCausalLM` without sliding-window layers, under any
 attention implementation but flash and flex attention. Anything else (Gemma 3's sliding windows, other
 architectures) keep transformers' forward: `install` says which one a model runs (`engine.forward`).

@@ -142,7 +142,7 @@ class NativeDecoder:
                                  _q4(qkv.codes, qkv.scale, qkv.zero, qkv.bias, qkv.group),
                                  _q4(*o), _q4(gate_up.codes, gate_up.scale, gate_up.zero, gate_up.bias, gate_up.group),
                                  _q4(*down)))
-            max_rows = min(qkv.max_rows, gate_up.max_rows) if max_rows is None else min(max_rows, qkv.max_rows)
+            max_rows = min(qkv.max_rows, gate_up.max_rows, max_rows or qkv.max_rows)
             keep += [norms[0], norms[1]]
         attn = plans[0].attn
         heads = plans[0].qkv.sizes[0] // head_dim
