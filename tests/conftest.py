@@ -85,6 +85,24 @@ def tiny_model(request, tiny_llama_dir, tiny_gemma3_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2(tiny_tokenizer):
+    """A tiny Qwen2: biases on q, k and v (which fused packs and the native decoder must carry), grouped-query
+    attention. Tests copy it before changing it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=True, pad_token_id=tiny_tokenizer.pad_token_id)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)  # random init leaves them zero: make them count
+    return model
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real default model in fp32, from the specquant cache (CI fetches it with `specquant models fetch`)."""
     from toolkit.models import is_cached, load_model

@@ -18,23 +18,6 @@ pytestmark = pytest.mark.skipif(library() is None, reason="the native decoder is
                                                           "AVX2, or SPECQUANT_NO_KERNELS is set)")
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tiny_tokenizer):
-    """A tiny Qwen2: q, k, v biases (which the fused int4 pack carries into the kernel), grouped-query attention."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(1)
-    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=True, pad_token_id=tiny_tokenizer.pad_token_id)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    return model
-
-
 @pytest.fixture(params=["llama", "qwen2"])
 def int4_model(request, tiny_llama_dir, tiny_qwen2):
     """Every decoder Linear an int4 QuantLinear on specquant's kernel (the int4 self-draft of an engine-prepared
