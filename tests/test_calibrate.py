@@ -268,7 +268,8 @@ def test_offloaded_model_calibrates_block_by_block_like_the_in_ram_one(tiny_llam
     from toolkit.quant.checkpoint import save_quantized
     from toolkit.quant.offload import has_offloaded
 
-    recipe = QuantRecipe(method="gptq", bits=4, group_size=32, symmetric=False)
+    # an offloaded model calibrates in its own fp32: compare with the in-RAM run in fp32 too
+    recipe = QuantRecipe(method="gptq", bits=4, group_size=32, symmetric=False, calib_dtype="fp32")
     in_ram = quantize_blockwise(_load(tiny_llama_dir), recipe, batches, GPTQLayerQuantizer(recipe), progress=False)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, device_map="auto",
                                                  max_memory={"cpu": "100KB"}, offload_folder=str(tmp_path / "off"))
@@ -280,3 +281,51 @@ def test_offloaded_model_calibrates_block_by_block_like_the_in_ram_one(tiny_llam
         assert (offloaded.weights[name].codes != qw.codes).float().mean() < 1e-3, name
     assert not has_offloaded(model)  # everything left in float was brought back for saving
     save_quantized(tmp_path / "ckpt", model, offloaded)
+
+
+def test_layers_sharing_a_hessian_are_solved_together_with_the_separate_codes(tiny_llama_dir, batches):
+    from toolkit.quant.calibrate import GPTQLayerQuantizer
+
+    recipe = QuantRecipe(method="gptq", bits=4, group_size=32, symmetric=False, act_order=True)
+    solved = {}
+    for label, quantizer in (("together", GPTQLayerQuantizer(recipe)), ("separate", _RecordingGPTQ(recipe))):
+        solved[label] = quantize_blockwise(_load(tiny_llama_dir), recipe, batches, quantizer, progress=False).weights
+    assert hasattr(GPTQLayerQuantizer(recipe), "quantize_together") and not hasattr(_RecordingGPTQ(recipe),
+                                                                                    "quantize_together")
+    assert solved["together"].keys() == solved["separate"].keys()
+    for name, qw in solved["together"].items():
+        other = solved["separate"][name]
+        assert torch.equal(qw.codes, other.codes), name
+        assert torch.equal(qw.scale, other.scale) and torch.equal(qw.zero, other.zero), name
+        assert torch.equal(qw.g_idx, other.g_idx), name
+
+
+def test_bf16_calibration_quantizes_the_fp32_weights_as_well(tiny_llama_dir, batches):
+    runs = {}
+    reference = _load(tiny_llama_dir)(input_ids=batches).logits
+    for dtype in ("fp32", "bf16"):
+        from toolkit.quant.calibrate import GPTQLayerQuantizer
+
+        recipe = QuantRecipe(method="gptq", bits=4, group_size=32, symmetric=False, calib_dtype=dtype)
+        model = _load(tiny_llama_dir)
+        weights = quantize_blockwise(model, recipe, batches, GPTQLayerQuantizer(recipe), progress=False).weights
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # the bf16 copies never replace a weight
+        for name, qw in weights.items():  # the model holds the fake-quant fp32 weights of what was saved
+            assert torch.equal(model.get_submodule(name).weight, qw.dequantize(torch.float32)), name
+        runs[dtype] = (weights, _logit_error(model, reference, batches))
+    # bf16 activations move codes at rounding boundaries (GPTQ carries each change on), not the solution's quality
+    assert runs["fp32"][0].keys() == runs["bf16"][0].keys()
+    assert runs["bf16"][1] < 1.25 * runs["fp32"][1], (runs["bf16"][1], runs["fp32"][1])
+
+
+def test_calibration_dtype_auto_follows_the_hardware(monkeypatch):
+    import toolkit.engine.precision as precision
+    from toolkit.quant.calibrate import calibration_dtype
+
+    for native, expected in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
+        assert calibration_dtype(QuantRecipe(method="gptq", calib_dtype="auto"), "cpu") is expected
+    assert calibration_dtype(QuantRecipe(method="gptq", calib_dtype="bf16"), "cpu") is torch.bfloat16
+    assert calibration_dtype(QuantRecipe(method="gptq", calib_dtype="fp32"), "cpu") is None
+    with pytest.raises(ValueError, match="calib_dtype"):
+        QuantRecipe(method="gptq", calib_dtype="fp16")

@@ -37,6 +37,16 @@ def test_hessian_accumulator_is_running_average():
     torch.testing.assert_close(acc.hessian, 2 / N * x.t() @ x, rtol=1e-4, atol=1e-4)
 
 
+def test_hessian_of_bf16_inputs_is_the_fp32_average_of_their_bf16_products():
+    x, _ = _data()
+    xb = x.to(torch.bfloat16)
+    acc = _hessian(xb)
+    assert acc.samples == N and acc.hessian.dtype == torch.float32
+    exact = 2 / N * xb.float().t() @ xb.float()  # the same (bf16-rounded) inputs summed in fp32
+    err = (acc.hessian - exact).abs().max() / exact.abs().max()
+    assert 0 < err < 4e-3, err  # each batch's product rounded once to bf16 (2^-9), not more
+
+
 @pytest.mark.parametrize("config", [QuantConfig(4, 32, True), QuantConfig(4, 32, False), QuantConfig(3, 128, True),
                                     QuantConfig(3, -1, False)])
 @pytest.mark.parametrize("act_order", [False, True])
@@ -153,3 +163,24 @@ def test_gptq_with_a_ragged_last_group_beats_rtn(act_order, static_groups):
     err_gptq = _out_err(x, w, qw.dequantize())
     err_rtn = _out_err(x, w, rtn_quantize(w, config).dequantize())
     assert err_gptq <= 0.8 * err_rtn, (err_gptq, err_rtn)
+
+
+def test_mse_option_takes_each_groups_range_from_the_search():
+    from toolkit.quant.primitives import choose_qparams, search_qparams
+
+    x, w = _data(3)
+    w[::7, 11] *= 25  # outliers: ranges the search shrinks
+    h = _hessian(x).hessian
+    config = QuantConfig(bits=4, group_size=32, symmetric=False)
+    # up-front qparams (static groups): exactly the search's on the original weight
+    qw, _ = gptq_quantize(w, h, config, static_groups=True, mse=True)
+    expected = search_qparams(w, config)
+    assert torch.equal(qw.scale, expected[0]) and torch.equal(qw.zero, expected[1])
+    assert not torch.equal(expected[0], choose_qparams(w, config)[0])
+    # qparams chosen as each group starts: different from min/max ones, and still GPTQ (beats RTN with the search)
+    plain, _ = gptq_quantize(w, h, config)
+    searched, _ = gptq_quantize(w, h, config, mse=True)
+    assert not torch.equal(plain.scale, searched.scale)
+    rtn = rtn_quantize(w, config, mse=True)
+    assert torch.equal(rtn.scale, expected[0]) and torch.equal(rtn.zero, expected[1])
+    assert _out_err(x, w, searched.dequantize()) < 0.9 * _out_err(x, w, rtn.dequantize())

@@ -16,6 +16,7 @@ from toolkit.quant.primitives import (
     pack_gptq,
     pack_int4_rows,
     quantize,
+    search_qparams,
     unpack_gptq,
     unpack_int4_rows,
 )
@@ -392,3 +393,43 @@ def test_gptq_end_to_end_scales_and_g_idx():
     # Dequantize as a GPTQ kernel does: scales[g_idx] * (q - zero[g_idx]), here with the packed tensors.
     rebuilt = (q2.float() - zero2.float()[:, g_idx.long()]) * scales.float().t()[:, g_idx.long()]
     assert torch.equal(rebuilt, dequantize(q, scale, zero, config))
+
+
+def _norm_error(w, scale, zero, config, norm=2.4):
+    return (dequantize(quantize(w, scale, zero, config), scale, zero, config) - w).abs().pow(norm)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("gs", [32, 64, -1])  # 80 columns: 32 and 64 end in a ragged group of 16
+def test_search_qparams_never_rounds_worse_than_min_max(bits, symmetric, gs):
+    torch.manual_seed(bits)
+    w = torch.randn(24, 80) * 0.05
+    w[::5, 3] *= 20  # outliers: the groups where shrinking the range pays
+    config = QuantConfig(bits=bits, group_size=gs, symmetric=symmetric)
+    plain = choose_qparams(w, config)
+    searched = search_qparams(w, config)
+    assert searched[0].shape == plain[0].shape and searched[1].dtype == torch.int32
+    assert bool((searched[0] > 0).all()) and bool((searched[1] >= 0).all() & (searched[1] <= config.maxq).all())
+    # per group, in the search's own norm: never worse, and strictly better somewhere (at <= 4 bits)
+    ng = config.n_groups(80)
+    gsz = config.resolve_group_size(80)
+
+    def per_group(err):
+        padded = torch.nn.functional.pad(err, (0, ng * gsz - 80))
+        return padded.reshape(24, ng, gsz).sum(-1)
+
+    a, b = per_group(_norm_error(w, *plain, config)), per_group(_norm_error(w, *searched, config))
+    assert bool((b <= a * (1 + 1e-6) + 1e-12).all())
+    if bits <= 4:
+        assert bool((b < a * 0.999).any())
+        assert bool((searched[0] < plain[0]).any())  # a shrunk range: a finer grid
+    if symmetric:
+        assert bool((searched[1] == 1 << (bits - 1)).all())
+
+
+def test_search_qparams_bad_arguments():
+    config = QuantConfig(bits=4, group_size=32)
+    for kwargs in ({"grid": 0}, {"max_shrink": 1.0}, {"max_shrink": 0.0}, {"norm": 0.0}):
+        with pytest.raises(ValueError):
+            search_qparams(torch.randn(4, 32), config, **kwargs)

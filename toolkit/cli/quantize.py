@@ -98,7 +98,8 @@ def run(cfg) -> Path:
     for kind, count, mean, worst, name in error_summary(qsd.errors):
         table.add_row(kind, str(count), f"{mean:.4f}", f"{worst:.4f}", name)
     console.print(table)
-    calib = f", {recipe.n_samples} x {recipe.seq_len} calibration tokens" if recipe.method != "rtn" else ""
+    calib = (f", {recipe.n_samples} x {recipe.seq_len} calibration tokens, forwards in {qsd.recipe.calib_dtype}"
+             if recipe.method != "rtn" else "")
     console.print(f"quantized {len(qsd.weights)} linear layers ({recipe.method}, int{recipe.bits}, group "
                   f"{recipe.group_size}{calib}) in {seconds:.1f} s; peak RSS {peak_rss_bytes() / 2**30:.2f} GiB")
     console.print(f"quantized layers: {before / 1e6:.1f} MB at fp16 -> {after / 1e6:.1f} MB "

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from toolkit.quant.primitives import QuantConfig, choose_qparams
+from toolkit.quant.primitives import QuantConfig, choose_qparams, search_qparams
 from toolkit.quant.quantized_weight import QuantizedWeight
 
 _DAMP_RETRIES = 4  # damping is raised x10 this many times before giving up
@@ -34,8 +34,15 @@ class HessianAccumulator:
             self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
 
     def add(self, x: torch.Tensor) -> None:
-        """Fold in inputs ``x [..., in]`` (every leading index is one sample)."""
-        x = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+        """Fold in inputs ``x [..., in]`` (every leading index is one sample).
+
+        fp32 (or fp16/fp64) inputs: one in-place fp32 GEMM. bf16 inputs (GPTQ's bf16 calibration forwards): the
+        batch's ``xᵀx`` is one bf16 GEMM (2-3x the fp32 rate where bf16 is native; the GEMM sums in fp32 and
+        rounds each entry once, a relative 2^-9), added into the fp32 average.
+        """
+        x = x.detach().reshape(-1, x.shape[-1])
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.float32)
         if self.hessian is None:
             self.hessian = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
         if x.shape[1] != self.hessian.shape[0]:
@@ -44,9 +51,12 @@ class HessianAccumulator:
         if n == 0:
             return
         x = x.to(self.hessian.device)
-        # H <- H * old/new + (2/new) xᵀx in one in-place GEMM (no temporaries of x or of an [in, in] product).
         beta = self.samples / (self.samples + n)
         self.samples += n
+        if x.dtype == torch.bfloat16:
+            self.hessian.mul_(beta).add_(x.t() @ x, alpha=2.0 / self.samples)
+            return
+        # H <- H * old/new + (2/new) xᵀx in one in-place GEMM (no temporaries of x or of an [in, in] product).
         self.hessian.addmm_(x.t(), x, beta=beta, alpha=2.0 / self.samples)
 
 
@@ -78,14 +88,16 @@ def _fake_quant(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: 
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConfig, *, damp_percent: float = 0.01,
-                  block_size: int = 128, act_order: bool = False, static_groups: bool = False,
+                  block_size: int = 128, act_order: bool = False, static_groups: bool = False, mse: bool = False,
                   bias: torch.Tensor | None = None) -> tuple[QuantizedWeight, float]:
     """GPTQ-quantize ``weight [out, in]`` given the input Hessian ``hessian [in, in]`` (see `HessianAccumulator`).
 
     Options (the reference's knobs): ``damp_percent`` — ``damp_percent * mean(diag H)`` is added to the diagonal
     (raised x10 with a warning while H is not positive definite); ``block_size`` — columns per lazy-batch block;
     ``act_order`` — quantize columns in order of descending ``diag(H)`` (``desc_act``); ``static_groups`` — choose
-    every group's qparams up front on the (dead-column-zeroed) original weight instead of when the group starts.
+    every group's qparams up front on the (dead-column-zeroed) original weight instead of when the group starts;
+    ``mse`` — choose each group's range by the reference quantizer's grid search (`search_qparams`: the range
+    shrunk where that rounds the group with less error) instead of its min/max (`choose_qparams`).
     Input channels with ``H[i, i] == 0`` never fire: their weights become 0.
 
     Returns the `QuantizedWeight` (codes/scale/zero in the ORIGINAL column order; with ``act_order`` a ``g_idx``
@@ -115,8 +127,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     scale = torch.empty(out, n_groups, dtype=torch.float32, device=w_all.device)
     zero = torch.empty(out, n_groups, dtype=torch.int32, device=w_all.device)
     upfront = static_groups or n_groups == 1  # per-channel: one set of qparams for the whole row, as the reference
+    qparams = search_qparams if mse else choose_qparams
     if upfront:
-        scale[:], zero[:] = choose_qparams(w_all, config)
+        scale[:], zero[:] = qparams(w_all, config)
 
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(cols, device=w_all.device)
     w_all, h = w_all[:, perm], h[perm][:, perm]
@@ -125,33 +138,37 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     col_config = QuantConfig(bits=config.bits, group_size=-1, symmetric=config.symmetric)
 
     hinv = _inverse_cholesky(h, damp_percent)
-    codes = torch.zeros_like(w_all)
+    # The column loop works on the TRANSPOSED weight [cols, out]: a column, its codes and its error are contiguous
+    # rows, and the rank-1 update of the block's later columns one contiguous `addr_` (2-3x faster than the
+    # strided [out, cols] update on CPU). The arithmetic is the reference's, element for element.
+    wt = w_all.t().contiguous()
+    codes_t = torch.zeros_like(wt)
     loss = torch.zeros((), dtype=torch.float32, device=w_all.device)
     pos_group_list = pos_group.tolist()
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        w1 = w_all[:, i1:i2].clone()
+        w1 = wt[i1:i2].clone()
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             j = i1 + i
             g = pos_group_list[j]
             if not upfront and j % gs == 0:
-                cols_now = w1[:, i:i + gs]
+                cols_now = w1[i:i + gs]
                 if j + gs > i2:  # the group runs past this block: bring its later columns up to date first
-                    later = w_all[:, i2:j + gs] - err1 @ hinv[i1:i2, i2:j + gs]
-                    cols_now = torch.cat((cols_now, later), dim=1)
-                s, z = choose_qparams(cols_now, col_config)
+                    later = wt[i2:j + gs] - hinv[i1:i2, i2:j + gs].t() @ err1
+                    cols_now = torch.cat((cols_now, later), dim=0)
+                s, z = qparams(cols_now.t(), col_config)
                 scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
-            w = w1[:, i]
-            d = hinv1[i, i]
+            w = w1[i]
             code, q = _fake_quant(w, scale[:, g], zero[:, g], config.maxq)
-            codes[:, j] = code
-            e = (w - q) / d
-            loss += (e * e).sum() / 2
-            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = e
-        w_all[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+            codes_t[j] = code
+            e = err1[i]
+            torch.sub(w, q, out=e).div_(hinv1[i, i])
+            w1[i:].addr_(hinv1[i, i:], e, alpha=-1.0)  # the rank-1 update in place, no temporary
+        loss += err1.square().sum() / 2
+        wt[i2:] -= hinv[i1:i2, i2:].t() @ err1
+    codes = codes_t.t()
 
     g_idx = None
     if act_order:

@@ -28,6 +28,7 @@ from toolkit.quant.quantized_weight import QuantizedWeight
 from toolkit.quant.rtn import rtn_quantize
 
 METHODS = ("rtn", "gptq", "awq")  # gptq and awq need calibration data
+CALIB_DTYPES = ("fp32", "bf16", "auto")
 DEFAULT_SKIP = ("lm_head",)
 
 
@@ -53,8 +54,13 @@ class QuantRecipe:
     act_order: bool = False
     static_groups: bool = False
     block_size: int = 128
+    # GPTQ and RTN: choose each group's range by the reference quantizer's MSE grid search (Quantizer(mse=True))
+    mse: bool = False
     # GPTQ: quantize a block's q,k,v | o | gate,up | down in turn, each on inputs through the quantized earlier ones
     true_sequential: bool = True
+    # GPTQ: the dtype the calibration forwards run in (block copies, activations; Hessians still sum in fp32).
+    # "auto": bf16 where the CPU has native bf16 matmuls (AVX512-BF16/AMX) or on CUDA, else fp32
+    calib_dtype: str = "auto"
     # AWQ's knobs (toolkit.quant.awq.AWQOptions, AutoAWQ names in comments); other methods ignore them
     awq_grid: int = 20  # n_grid: alphas i/grid tried in the scale search
     awq_duo_scaling: bool = False  # AutoAWQ duo_scaling: s = |x|^a / |w|^(1-a) instead of the paper's |x|^a
@@ -72,6 +78,9 @@ class QuantRecipe:
         if self.method not in METHODS:
             raise ValueError(f"QuantRecipe.method must be one of {', '.join(METHODS)}; got {self.method!r}")
         QuantConfig(bits=self.bits, group_size=self.group_size, symmetric=self.symmetric)  # validates, or raises
+        if self.calib_dtype not in CALIB_DTYPES:
+            raise ValueError(f"QuantRecipe.calib_dtype must be one of {', '.join(CALIB_DTYPES)}; "
+                             f"got {self.calib_dtype!r}")
         object.__setattr__(self, "skip", _patterns(self.skip, "skip"))
         if self.modules is not None:
             object.__setattr__(self, "modules", _patterns(self.modules, "modules"))
@@ -195,7 +204,7 @@ def _offloaded(module: nn.Module) -> bool:
     return bool(getattr(hook, "offload", False)) and getattr(hook, "weights_map", None) is not None
 
 
-_ALGORITHMS: dict[str, Callable[[torch.Tensor, QuantConfig, torch.Tensor | None], QuantizedWeight]] = {
+_ALGORITHMS: dict[str, Callable[..., QuantizedWeight]] = {
     "rtn": rtn_quantize,
 }
 
@@ -224,7 +233,7 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe, progress: bool = True)
     with tqdm(linears.items(), desc=f"{recipe.method} int{recipe.bits}", unit="layer", disable=not progress,
               file=sys.stderr, dynamic_ncols=True) as bar:
         for name, linear in bar:
-            qw = algorithm(linear.weight, config, linear.bias)
+            qw = algorithm(linear.weight, config, linear.bias, mse=recipe.mse)
             weights[name] = qw
             errors[name] = relative_error(linear.weight, qw)
             bar.set_postfix_str(f"{name} rel_err={errors[name]:.4f}", refresh=False)
