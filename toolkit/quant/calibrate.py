@@ -361,7 +361,8 @@ def calibration_dtype(recipe: QuantRecipe, device) -> torch.dtype | None:
 
     bf16 halves the activations' memory and, where the hardware multiplies bf16 natively (AVX512-BF16 or AMX on
     the CPU, any CUDA GPU), runs the forwards' GEMMs 2-3x faster than fp32 (AutoGPTQ and GPTQModel calibrate in
-    the model's fp16/bf16 the same way). The weights GPTQ quantizes and the Hessian sums stay fp32.
+    the model's fp16/bf16 the same way). The weights GPTQ quantizes stay fp32, and the Hessian is an fp32 average
+    of per-batch bf16 products (`HessianAccumulator.add`).
     """
     choice = recipe.calib_dtype
     if choice == "auto":
@@ -466,9 +467,10 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
     offloaded = has_offloaded(model)
     if offloaded:
         device = torch.device("cpu")  # offloaded tensors sit on meta; accelerate computes on the CPU here
-    # GPTQ/RTN may run the forwards on a bf16 copy of each block; AWQ's search folds scales into the block itself,
-    # and an offloaded block is accelerate's to move: both stay in the model's dtype
-    calib = None if offloaded or hasattr(layer_quantizer, "prepare_block") else calibration_dtype(recipe, device)
+    # GPTQ may run the forwards on a bf16 copy of each block; AWQ's search folds scales into the block itself,
+    # an offloaded block is accelerate's to move, and RTN needs no data: those stay in the model's dtype
+    bf16_able = recipe.method == "gptq" and not offloaded and not hasattr(layer_quantizer, "prepare_block")
+    calib = calibration_dtype(recipe, device) if bf16_able else None
 
     state = None
     done = 0

@@ -58,7 +58,7 @@ class QuantRecipe:
     mse: bool = False
     # GPTQ: quantize a block's q,k,v | o | gate,up | down in turn, each on inputs through the quantized earlier ones
     true_sequential: bool = True
-    # GPTQ: the dtype the calibration forwards run in (block copies, activations; Hessians still sum in fp32).
+    # GPTQ: the dtype the calibration forwards run in (block copies, activations; Hessians averaged in fp32).
     # "auto": bf16 where the CPU has native bf16 matmuls (AVX512-BF16/AMX) or on CUDA, else fp32
     calib_dtype: str = "auto"
     # AWQ's knobs (toolkit.quant.awq.AWQOptions, AutoAWQ names in comments); other methods ignore them
