@@ -223,7 +223,10 @@ def test_auto_precision_follows_the_hardware(monkeypatch):
     assert resolve_precision("fp32") == Precision(torch.float32, torch.float32)
     assert resolve_precision("auto", "bf16") == Precision(torch.float32, torch.bfloat16)
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
-    assert resolve_precision("auto") == Precision(torch.bfloat16, torch.bfloat16)
+    # native bf16 speeds prefill but not a decode step: auto stays fp32 + fp16 weights on every CPU
+    assert resolve_precision("auto") == Precision(torch.float32, torch.float16)
+    assert resolve_precision("auto", device="cuda") == Precision(torch.bfloat16, torch.bfloat16)
+    assert resolve_precision("bf16") == Precision(torch.bfloat16, torch.bfloat16)
     with pytest.raises(InputError, match="engine.dtype"):
         resolve_precision("fp64")
 

@@ -5,12 +5,18 @@ compute-bound, and there the CPU decides: without AVX512-BF16/AMX (e.g. AMD Zen 
 fp16 matmuls run one row at a time — a 128-token prefill in bf16 is ~6x slower than in fp32 — and bf16 attention
 and elementwise ops are slower than fp32 too. So `auto` means:
 
-- CUDA, or a CPU with native bf16: bf16 activations and bf16 weights.
-- any other CPU: fp32 activations and fp16 weights. `HalfStorageLinear` runs 1-3-row products (decode) through
-  the half-precision kernel, which reads half the bytes (fp16's kernel streams faster than bf16's here, and fp16
-  keeps 3 more mantissa bits of the fp32 original), and upcasts the weight to fp32 for 4+ rows (prefill).
-- a model whose low-bit layers run specquant's own GEMMs (int4 / int8 checkpoints on an x86 CPU), on any CPU: fp32
-  activations and fp16 weights as above. Those GEMMs and the native int4 decoder (toolkit/engine/native_decoder.py)
+- CUDA: bf16 activations and bf16 weights.
+- any CPU: fp32 activations and fp16 weights. `HalfStorageLinear` runs 1-3-row products (decode) through
+  the half-precision kernel (fbgemm's packed fp16 GEMM on x86), which reads half the bytes (fp16's kernel streams
+  faster than bf16's here, and fp16 keeps 3 more mantissa bits of the fp32 original), and upcasts the weight to
+  fp32 for 4+ rows (prefill).
+- That includes CPUs with native bf16 (AVX512-BF16/AMX): there bf16 prefills faster, but a bf16 decode step goes
+  through torch's per-operator bf16 path and is 2.5-3x slower (measured on a 2-core EPYC with AVX512-BF16,
+  SmolLM2-135M, `specquant bench prompt_tokens=128|512 new_tokens=64`: decode 51.6 / 42.4 tok/s in fp32 + fp16
+  weights against 16.3 / 17.3 in bf16; TTFT 207 / 1064 ms against 201 / 579 ms). Decode dominates any answer
+  longer than a few tokens, so `auto` picks fp32 + fp16 there too; `engine.dtype=bf16` for prompt-bound work.
+- a model whose low-bit layers run specquant's own GEMMs (int4 / int8 checkpoints on an x86 CPU): the same fp32
+  activations and fp16 weights. Those GEMMs and the native int4 decoder (toolkit/engine/native_decoder.py)
   compute in fp32; bf16 activations would leave them for torch's per-operator path (measured on a CPU with
   AVX512-BF16, SmolLM2-135M RTN int4 g64, one decode step: 8.3 ms native in fp32 against 19.5 ms in bf16).
 """
@@ -79,10 +85,11 @@ def _dtype(name: str, key: str) -> torch.dtype:
 
 def resolve_precision(dtype: str = "auto", weight_dtype: str = "auto", device: str = "cpu",
                       fp32_kernels: bool = False) -> Precision:
-    """`dtype` names the activations; `weight_dtype` the stored weights (auto: as the module docstring says).
-    `fp32_kernels`: the model's low-bit layers run specquant's fp32 GEMMs (then auto is fp32 on any CPU)."""
+    """`dtype` names the activations; `weight_dtype` the stored weights (auto: as the module docstring says: bf16
+    on CUDA, fp32 activations with fp16 weights on any CPU). `fp32_kernels`: the model's low-bit layers run
+    specquant's fp32 GEMMs (kept for callers; on a CPU auto is fp32 either way)."""
     if dtype == "auto":
-        native = device != "cpu" or (cpu_has_native_bf16() and not fp32_kernels)
+        native = device != "cpu"
         compute, default_weights = (torch.bfloat16, torch.bfloat16) if native else (torch.float32, torch.float16)
     else:
         compute = default_weights = _dtype(dtype, "engine.dtype")
