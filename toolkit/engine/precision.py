@@ -83,11 +83,9 @@ def _dtype(name: str, key: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_precision(dtype: str = "auto", weight_dtype: str = "auto", device: str = "cpu",
-                      fp32_kernels: bool = False) -> Precision:
+def resolve_precision(dtype: str = "auto", weight_dtype: str = "auto", device: str = "cpu") -> Precision:
     """`dtype` names the activations; `weight_dtype` the stored weights (auto: as the module docstring says: bf16
-    on CUDA, fp32 activations with fp16 weights on any CPU). `fp32_kernels`: the model's low-bit layers run
-    specquant's fp32 GEMMs (kept for callers; on a CPU auto is fp32 either way)."""
+    on CUDA, fp32 activations with fp16 weights on any CPU, whatever its bf16 support or the model's kernels)."""
     if dtype == "auto":
         native = device != "cpu"
         compute, default_weights = (torch.bfloat16, torch.bfloat16) if native else (torch.float32, torch.float16)

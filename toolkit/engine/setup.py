@@ -84,10 +84,7 @@ def prepare_engine_model(model, engine_cfg) -> Precision:
     """Move and cast `model` (in place) as the engine config says; returns its precision."""
     if engine_cfg.device != "cpu" and not torch.cuda.is_available():
         raise InputError(f"engine.device={engine_cfg.device} but no CUDA device is available", "use engine.device=cpu")
-    from toolkit.quant.qlinear import runs_fp32_kernels
-
-    precision = resolve_precision(engine_cfg.dtype, engine_cfg.get("weight_dtype", "auto"), engine_cfg.device,
-                                  fp32_kernels=runs_fp32_kernels(model))
+    precision = resolve_precision(engine_cfg.dtype, engine_cfg.get("weight_dtype", "auto"), engine_cfg.device)
     if engine_cfg.device != "cpu":
         model.to(engine_cfg.device)
     prepare_model(model, precision, wide_copy=engine_cfg.get("wide_copy", "auto"), gemm=engine_cfg.get("gemm", "auto"))

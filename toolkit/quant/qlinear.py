@@ -398,11 +398,6 @@ class QuantLinear(torch.nn.Module):
         return s + f", bias={self.bias is not None}"
 
 
-def runs_fp32_kernels(model) -> bool:
-    """Whether `model` has QuantLinear layers on specquant's own GEMMs (which compute in fp32)."""
-    return any(type(m) is QuantLinear and m._native for m in model.modules())
-
-
 def int4_kernel() -> str:
     """The kernel 4-bit layers whose shape both kernels take get here: "int4n8" (specquant's own) or "int4pack"."""
     return "int4n8" if QuantLinear.native_kernels and int4_native.available() else "int4pack"
