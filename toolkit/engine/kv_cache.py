@@ -36,19 +36,15 @@ class ContiguousKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start, end = self.length, self.length + key_states.shape[-2]
-        if end > self.max_length:
-            raise RuntimeError(f"KV cache overflow: {end} tokens > max_length {self.max_length}")
-        self.key_buffer[:, :, start:end] = key_states
-        self.value_buffer[:, :, start:end] = value_states
-        self.length = end
-        self.keys = self.key_buffer[:, :, :end]
-        self.values = self.value_buffer[:, :, :end]
+        start = self.length
+        self.advance(key_states.shape[-2])  # checks the room first, then counts the slots written below
+        self.key_buffer[:, :, start:self.length] = key_states
+        self.value_buffer[:, :, start:self.length] = value_states
         return self.keys, self.values
 
     def advance(self, n: int) -> None:
-        """The next `n` slots were written in place (the native decoder writes keys and values straight into the
-        buffers): count them as filled."""
+        """Count the next `n` slots as filled (`update` writes them; the native decoder writes keys and values
+        straight into the buffers)."""
         end = self.length + n
         if end > self.max_length:
             raise RuntimeError(f"KV cache overflow: {end} tokens > max_length {self.max_length}")

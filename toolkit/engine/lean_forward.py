@@ -425,14 +425,13 @@ class LeanForward:
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(length, device=hidden.device)[None] + past
+        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
         native = self.native_decoder()
         if native is not None and native.applies(hidden, attention_mask, cache):
-            cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
             hidden = native.run(hidden, cos[0].contiguous(), sin[0].contiguous(), cache)
             return self._head(hidden, logits_to_keep)
         mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
                                   position_ids=position_ids)
-        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
         attention = _attention_function(config, hidden.device, self.share_kv_heads)
         for plan in self.plan():

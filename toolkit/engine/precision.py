@@ -87,8 +87,8 @@ def resolve_precision(dtype: str = "auto", weight_dtype: str = "auto", device: s
     """`dtype` names the activations; `weight_dtype` the stored weights (auto: as the module docstring says: bf16
     on CUDA, fp32 activations with fp16 weights on any CPU, whatever its bf16 support or the model's kernels)."""
     if dtype == "auto":
-        native = device != "cpu"
-        compute, default_weights = (torch.bfloat16, torch.bfloat16) if native else (torch.float32, torch.float16)
+        gpu = device != "cpu"
+        compute, default_weights = (torch.bfloat16, torch.bfloat16) if gpu else (torch.float32, torch.float16)
     else:
         compute = default_weights = _dtype(dtype, "engine.dtype")
     weights = default_weights if weight_dtype == "auto" else _dtype(weight_dtype, "engine.weight_dtype")
