@@ -173,3 +173,117 @@ def test_scale_and_clip_search_on_a_ragged_last_group():
     padded = torch.nn.functional.pad(w, (0, 32)).reshape(32, 2, 64)
     clipped = torch.clamp(padded, -max_val[..., None], max_val[..., None]).reshape(32, 128)[:, :96]
     assert _rel_output_error(x, w, fake_quantize(clipped, config)) <= plain
+
+
+def test_scale_search_loss_through_the_gram_matrix_is_the_output_error():
+    """For the Linears' own outputs the search measures tr(ΔW xᵀx ΔWᵀ) instead of running x through every
+    candidate: the same loss, so the same alpha as measuring the outputs directly (an explicit ``inspect``)."""
+    torch.manual_seed(3)
+    x = torch.randn(600, 64) * torch.linspace(0.1, 8, 64)  # outlier channels: the search has a real optimum
+    lins = [nn.Linear(64, 48, bias=False), nn.Linear(64, 16, bias=False)]
+    options = AWQOptions()
+
+    def direct(xs, ws):
+        return torch.cat([xs @ w.t() for w in ws], dim=-1)
+
+    s_gram, alpha_gram, loss_gram = search_scales(x, lins, CONFIG, options, x_search=x[:256])
+    s_direct, alpha_direct, loss_direct = search_scales(x, lins, CONFIG, options, x_search=x[:256], inspect=direct)
+    assert alpha_gram == alpha_direct and alpha_gram > 0
+    assert loss_gram == pytest.approx(loss_direct, rel=1e-4)
+    torch.testing.assert_close(s_gram, s_direct)
+
+
+def test_clip_search_through_group_grams_picks_the_directly_measured_best():
+    """The clip search scores each shrink by Δ G_g Δᵀ; running the tokens through every candidate (AutoAWQ's
+    way, written out here) gives the same errors, so the same maxima — also with a ragged last group."""
+    g = torch.Generator().manual_seed(5)
+    config = QuantConfig(bits=4, group_size=32, symmetric=False)
+    w = torch.randn(40, 80, generator=g) * 0.05  # 80 = 2.5 groups of 32
+    w[:, 3] *= 6
+    x = torch.randn(300, 80, generator=g) * torch.linspace(0.2, 3, 80)
+    options = AWQOptions(clip_tokens=300)
+    got = search_clip(w, x, config, options)
+
+    from toolkit.quant.primitives import pad_to_groups
+
+    xs = pad_to_groups(x, config).reshape(300, 3, 32)
+    wp = pad_to_groups(w, config).reshape(40, 3, 32)
+    org_max = wp.abs().amax(-1, keepdim=True)
+    reference = torch.einsum("tgk,ogk->otg", xs, wp)
+    errors, maxima = [], []
+    for i in range(int(options.max_shrink * options.clip_grid)):
+        max_val = org_max * (1 - i / options.clip_grid)
+        q = fake_quantize(torch.clamp(wp, -max_val, max_val).reshape(40, 96), config).reshape(wp.shape)
+        errors.append((torch.einsum("tgk,ogk->otg", xs, q) - reference).pow(2).mean(1))
+        maxima.append(max_val.squeeze(-1))
+    errors, maxima = torch.stack(errors), torch.stack(maxima)  # [steps, out, g]
+    expected = maxima.gather(0, errors.argmin(0, keepdim=True)).squeeze(0)  # first minimum, as the search keeps
+    assert got.shape == (40, 3)
+    assert (got == expected).float().mean() > 0.99  # equal but for near-ties (two sums of one error)
+    assert bool((got < org_max.squeeze(-1)).any())
+
+
+def _awq_recipe(**kw):
+    return QuantRecipe(method="awq", bits=4, group_size=32, symmetric=False, n_samples=4, seq_len=32,
+                       awq_search_samples=2, awq_grid=5, awq_clip_grid=5, awq_clip_tokens=64, **kw)
+
+
+def test_awq_bf16_calibration_folds_into_the_fp32_block(tiny_llama_dir, tiny_tokenizer):
+    """calib_dtype=bf16: the statistics forward runs on a bf16 copy of each block; the scales are folded into the
+    fp32 block's own norms (the copy's producers are mapped back), every weight stays fp32, the model holds the
+    saved codes, and the quality is that of fp32 calibration (bf16 rounding of the inputs, not a different fit)."""
+    from toolkit.quant.calibrate import layer_quantizer_for, quantize_blockwise
+
+    batches = calibration_batches(tiny_tokenizer, n_samples=4, seq_len=32, seed=0)
+    original = _load(tiny_llama_dir)
+    with torch.no_grad():
+        reference = original(input_ids=batches).logits
+    errors = {}
+    for dtype in ("fp32", "bf16"):
+        recipe = _awq_recipe(calib_dtype=dtype)
+        model = _load(tiny_llama_dir)
+        qsd = quantize_blockwise(model, recipe, batches, layer_quantizer_for(recipe), progress=False)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        for name, qw in qsd.weights.items():
+            assert torch.equal(model.get_submodule(name).weight, qw.dequantize(torch.float32)), name
+        folded = [not torch.equal(block.input_layernorm.weight, decoder_blocks(original)[1][i].input_layernorm.weight)
+                  for i, block in enumerate(decoder_blocks(model)[1])]
+        assert any(folded), dtype  # the scales went into the model's own norms (alpha 0 leaves a norm as it is)
+        with torch.no_grad():
+            errors[dtype] = float((model(input_ids=batches).logits - reference).pow(2).mean())
+    assert errors["bf16"] < 1.3 * errors["fp32"], errors
+
+
+@pytest.mark.parametrize("next_inputs", ["quantized", "float"])
+def test_awq_next_block_inputs(tiny_llama_dir, tiny_tokenizer, next_inputs):
+    """awq_next_inputs=float (AutoAWQ's scheme): one calibration forward per block, whose float outputs are the
+    next block's inputs, i.e. the float model's own hidden states; quantized: a second forward per block
+    through the scaled, clipped, rounded block, so block 1 calibrates on different inputs."""
+    from toolkit.quant.calibrate import layer_quantizer_for, quantize_blockwise
+
+    batches = calibration_batches(tiny_tokenizer, n_samples=4, seq_len=32, seed=0)
+    with torch.no_grad():
+        hidden = _load(tiny_llama_dir)(input_ids=batches, output_hidden_states=True).hidden_states
+    recipe = _awq_recipe(calib_dtype="fp32", awq_next_inputs=next_inputs)
+    model = _load(tiny_llama_dir)
+    blocks = decoder_blocks(model)[1]
+    seen = [[] for _ in blocks]
+    handles = [b.register_forward_pre_hook(lambda m, args, kwargs, i=i: seen[i].append(
+        (args[0] if args else kwargs["hidden_states"]).detach().clone()), with_kwargs=True)
+        for i, b in enumerate(blocks)]
+    quantize_blockwise(model, recipe, batches, layer_quantizer_for(recipe), progress=False)
+    for h in handles:
+        h.remove()
+    calibration = [calls[-1] if next_inputs == "float" else calls[-2] for calls in seen]  # the statistics forward
+    forwards = [sum(c.shape[0] == 4 for c in calls) for calls in seen]  # whole-batch calls (capture goes per sample)
+    if next_inputs == "float":
+        assert forwards == [1] * len(blocks)
+        torch.testing.assert_close(calibration[1], hidden[1], rtol=1e-4, atol=1e-4)
+    else:
+        assert forwards[:-1] == [2] * (len(blocks) - 1) and forwards[-1] == 1  # the last block needs no outputs
+        assert not torch.allclose(calibration[1], hidden[1], rtol=1e-3, atol=1e-3)
+
+
+def test_awq_next_inputs_is_validated():
+    with pytest.raises(ValueError, match="awq_next_inputs"):
+        QuantRecipe(method="awq", awq_next_inputs="bf16")

@@ -121,9 +121,9 @@ def test_blockwise_rtn_equals_quantize_model(arch, tiny_llama_dir, tiny_gemma3_d
         # the model is left fake-quantized
         assert torch.equal(model.get_submodule(name).weight, qw.dequantize(torch.float32))
     assert [s.name for s in qsd.skipped] == [s.name for s in reference.skipped]
-    # every layer saw each sample once: n_samples calls, n_samples * seq_len rows
+    # every layer saw each sample once: n_samples * seq_len rows, in one call (calib_batch=0: one batch of all)
     assert set(quantizer.seen) == set(qsd.weights)
-    assert all(v == (N * L, N) for v in quantizer.seen.values())
+    assert all(v == (N * L, 1) for v in quantizer.seen.values())
     _no_hooks(model)
 
 
@@ -329,3 +329,72 @@ def test_calibration_dtype_auto_follows_the_hardware(monkeypatch):
     assert calibration_dtype(QuantRecipe(method="gptq", calib_dtype="fp32"), "cpu") is None
     with pytest.raises(ValueError, match="calib_dtype"):
         QuantRecipe(method="gptq", calib_dtype="fp16")
+
+
+class _RTNRecordingHessians(RTNLayerQuantizer):
+    """RTN codes (independent of the data, so both schemes quantize identically) plus each layer's Hessian."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.hessians = {}
+
+    def accumulator(self, linear):
+        from toolkit.quant.gptq import HessianAccumulator
+
+        return HessianAccumulator(linear.in_features)
+
+    def quantize(self, name, linear, accumulator):
+        self.hessians[name] = accumulator.hessian.clone()
+        return super().quantize(name, linear, accumulator)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_one_forward_per_block_matches_the_staged_scheme(arch, tiny_llama_dir, tiny_gemma3_dir, batches):
+    """calib_batch=0 (all samples in one batch): a true-sequential block is quantized inside ONE forward of the
+    full batch (after a one-sample forward that finds which Linears share an input); calib_batch=1 runs a
+    partial forward per stage and an outputs pass, per sample. Every layer must see the same inputs (through the
+    quantized earlier stages): RTN codes do not depend on the data, so the Hessians must agree to rounding.
+    GPTQ: block 0 gets the same codes; later blocks drift where a near-tie flips a code (a tiny random model is
+    chaotic), so only the quality is compared there."""
+    path = tiny_llama_dir if arch == "llama" else tiny_gemma3_dir
+    runs = {}
+    for calib_batch in (0, 1):
+        model = _load(path)
+        recipe = QuantRecipe(bits=4, group_size=32, symmetric=False, calib_batch=calib_batch)
+        _, blocks = decoder_blocks(model)
+        calls = [[] for _ in blocks]
+        handles = [block.register_forward_pre_hook(
+            lambda module, args, kwargs, i=i: calls[i].append((args[0] if args else kwargs["hidden_states"]).shape[0]),
+            with_kwargs=True) for i, block in enumerate(blocks)]
+        quantizer = _RTNRecordingHessians(recipe.config)
+        quantize_blockwise(model, recipe, batches, quantizer, progress=False)
+        for handle in handles:
+            handle.remove()
+        runs[calib_batch] = (quantizer.hessians, calls)
+    one, staged = runs[0], runs[1]
+    # (each list starts with the capture pass's calls, per sample, that stop at the block)
+    assert N > 1 and all(c[-2:] == [1, N] and c.count(N) == 1 for c in one[1]), one[1]  # discovery, then all once
+    assert all(len(c) >= 3 * N and set(c) == {1} for c in staged[1])  # partial forwards per stage + outputs
+    assert one[0].keys() == staged[0].keys() and len(one[0]) == 7 * len(one[1])
+    for name, h in one[0].items():
+        torch.testing.assert_close(h, staged[0][name], rtol=1e-4, atol=1e-5 * float(h.abs().max()))
+
+    from toolkit.quant.calibrate import GPTQLayerQuantizer
+
+    reference = _load(path)(input_ids=batches).logits.detach()
+    gptq = {}
+    for calib_batch in (0, 1):
+        model = _load(path)
+        recipe = QuantRecipe(method="gptq", bits=4, group_size=32, symmetric=False, calib_dtype="fp32",
+                             calib_batch=calib_batch)
+        gptq[calib_batch] = (quantize_blockwise(model, recipe, batches, GPTQLayerQuantizer(recipe),
+                                                progress=False).weights, _logit_error(model, reference, batches))
+    for name, qw in gptq[0][0].items():
+        if ".layers.0." in name:
+            assert torch.equal(qw.codes, gptq[1][0][name].codes), name
+    assert gptq[0][1] == pytest.approx(gptq[1][1], rel=0.25)
+
+
+def test_calib_batch_is_validated():
+    with pytest.raises(ValueError, match="calib_batch"):
+        QuantRecipe(method="gptq", calib_batch=-1)

@@ -240,3 +240,32 @@ def test_every_shipped_recipe_is_a_valid_quant_recipe():
         recipe = OmegaConf.to_container(OmegaConf.load(path))
         assert (CONF_DIR / "model" / f"{recipe['model']}.yaml").is_file(), path
         QuantRecipe(**recipe["quantize"])  # raises on a bad key or value
+
+
+def test_quantize_reexecs_with_huge_page_malloc_unless_told_not_to(monkeypatch):
+    """`specquant quantize` re-runs itself with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc reads it only at
+    start-up); a GLIBC_TUNABLES of the user's own or SPECQUANT_NO_REEXEC=1 leaves the process alone. (The CLI
+    tests above run `python -m toolkit quantize` in subprocesses, so the re-exec path runs there too.)"""
+    import os
+    import platform
+    import sys
+
+    import toolkit.cli as cli
+
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc on Linux only")
+    calls = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, args: calls.append((path, args)))
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("SPECQUANT_NO_REEXEC", raising=False)
+    cli._with_huge_pages(["quantize", "recipe=x"])
+    assert calls == [(sys.executable, [sys.executable, "-m", "toolkit", "quantize", "recipe=x"])]
+    assert os.environ["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    calls.clear()
+    cli._with_huge_pages(["quantize"])  # the re-executed process: already set, runs on
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # the user's own: kept as it is
+    cli._with_huge_pages(["quantize"])
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv("SPECQUANT_NO_REEXEC", "1")
+    cli._with_huge_pages(["quantize"])
+    assert calls == [] and "GLIBC_TUNABLES" not in os.environ

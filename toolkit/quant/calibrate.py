@@ -20,9 +20,16 @@ evaluation split). `quantize_blockwise` walks the decoder blocks one at a time:
    A quantizer with ``prepare_block`` (AWQ) gets the block, its Linears, accumulators and the norm feeding each
    Linear first (scale search and fold); it always runs as one stage, since it folds scales into v/up.
    Then the block runs again to produce the inputs of block ``i + 1`` from the *quantized* block (GPTQ's
-   sequential-across-blocks scheme).
+   sequential-across-blocks scheme), or, for AWQ with ``awq_next_inputs="float"``, the statistics forward's own
+   (float) outputs are those inputs (AutoAWQ's scheme).
+3. With every sample in one batch (``recipe.calib_batch == 0``, the default) a true-sequential block needs no
+   stages: `_quantize_in_one_forward` hooks the first Linear of each input group, and in ONE forward of the
+   batch each hook builds its group's statistics, quantizes the group and writes the weights before the Linear
+   runs; the forward's output is the next block's input. ``calib_batch = N`` batches N samples per forward and
+   takes the staged path above (bounded activation memory, ~3.4 forwards a block instead of one).
 
-Peak memory is about one block plus the activations (``n_samples`` hidden states, twice).
+Peak memory is about one block plus the activations (``n_samples`` hidden states, twice, and with one batch the
+block's intermediate activations for all samples).
 
 **The model is modified**: its quantized Linear weights end up dequantized-quantized (a fake-quant float
 model, handy for evaluating quality). The returned `QuantizedStateDict` is the real output.
@@ -36,10 +43,11 @@ Layer-quantizer protocol (two methods)::
         # quantize ``linear.weight`` (still float) given what the accumulator saw
 
 Resumability: with ``state_dir``, after each block the driver saves that block's QuantizedWeights and the next
-block's inputs (``torch.save`` to a temporary file, then ``os.replace``) and a JSON progress record (recipe,
-model fingerprint, calibration-data hash, quantizer, blocks done). Restarting with the same ``state_dir`` and a
-matching record restores the finished blocks (their fake-quant weights go back into the model) and carries on
-from the first unfinished one; a record that does not match raises rather than mixing runs.
+block's inputs (one ``[n_samples, seq_len, hidden]`` tensor; ``torch.save`` to a temporary file, then
+``os.replace``) and a JSON progress record (recipe, model fingerprint, calibration-data hash, quantizer, blocks
+done). Restarting with the same ``state_dir`` and a matching record restores the finished blocks (their fake-quant
+weights go back into the model) and carries on from the first unfinished one; a record that does not match raises
+rather than mixing runs.
 """
 
 from __future__ import annotations
@@ -74,7 +82,8 @@ from toolkit.quant.rtn import rtn_quantize
 
 __all__ = ["GPTQLayerQuantizer", "RTNLayerQuantizer", "layer_quantizer_for", "calibration_batches", "decoder_blocks", "quantize_blockwise"]
 
-_STATE_VERSION = 1
+BF16_METHODS = ("gptq", "awq")  # the methods whose calibration forwards may run in bf16 (calib_dtype)
+_STATE_VERSION = 2  # 2: the next block's inputs saved as one [n_samples, seq_len, hidden] tensor
 
 
 # --------------------------------------------------------------------------------------------- calibration data
@@ -242,13 +251,14 @@ def _stages(linears: dict[str, nn.Linear], sequential: bool) -> list[list[str]]:
 
 @torch.no_grad()
 def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantizer, stop_early: bool,
-             timer: _Timer | None = None):
+             timer: _Timer | None = None, outputs: list | None = None):
     """Run ``block`` over ``inputs`` feeding each Linear's input to its accumulator; ``(accumulators, producers)``.
 
     Linears that receive the very same tensor (q,k,v; gate,up) share ONE accumulator: one Hessian, not three.
     With ``stop_early`` the block's forward is cut (a private exception) once every Linear has its input, so
     an early stage costs a partial forward. ``producers`` (for quantizers with ``needs_producers``) maps a
     Linear's name to the block's norm module whose output tensor IS that Linear's input (from the first sample).
+    ``outputs`` (a list, only without ``stop_early``) receives the block's output for each input.
     """
     timer = timer if timer is not None else _Timer()
     accumulators: dict[str, object] = {}
@@ -304,7 +314,9 @@ def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantiz
             norm_outputs.clear()
             try:
                 with timer("block forwards, statistics pass"):
-                    block(x, **kwargs)
+                    out = block(x, **kwargs)
+                if outputs is not None:
+                    outputs.append(_output_hidden(out).detach())
             except _StopForward:
                 pass
             if want_producers:  # only the first sample decides producers: stop recording norm outputs
@@ -344,6 +356,83 @@ class _Timer(defaultdict):
 
 def _run_block(block, inputs, kwargs) -> list[torch.Tensor]:
     return [_output_hidden(block(x, **kwargs)).detach() for x in inputs]
+
+
+def _batched(inputs: list[torch.Tensor], size: int) -> list[torch.Tensor]:
+    """Per-sample ``[1, seq, hidden]`` inputs as batches of ``size`` samples (0: one batch of all)."""
+    size = size or len(inputs)
+    return [torch.cat(inputs[j:j + size]) for j in range(0, len(inputs), size)]
+
+
+@torch.no_grad()
+def _input_groups(block, x, kwargs, linears: dict[str, nn.Linear]) -> list[list[str]] | None:
+    """The block's Linears grouped by the input tensor they receive (q,k,v; gate,up), groups in call order, from
+    one forward of ``x``; None if a Linear is called more than once or never (no single-forward scheme then)."""
+    calls: list[tuple[str, torch.Tensor]] = []
+    handles = [lin.register_forward_pre_hook(lambda module, args, name=name: calls.append((name, args[0])))
+               for name, lin in linears.items()]
+    try:
+        block(x, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = [name for name, _ in calls]
+    if sorted(names) != sorted(linears):
+        return None
+    groups: list[list[str]] = []
+    tensors: list[torch.Tensor] = []
+    for name, t in calls:
+        same = next((k for k, other in enumerate(tensors) if other is t), None)
+        if same is None:
+            groups.append([name])
+            tensors.append(t)
+        else:
+            groups[same].append(name)
+    return groups
+
+
+@torch.no_grad()
+def _quantize_in_one_forward(runner, x, kwargs, runner_linears: dict[str, nn.Linear],
+                             block_linears: dict[str, nn.Linear], layer_quantizer, timer: _Timer, finish):
+    """True-sequential quantization of one block in ONE forward over the whole batch ``x``; returns the block's
+    output (the next block's input, through the quantized block), or None when `_input_groups` finds no
+    single-forward order (the caller then runs the stages one by one).
+
+    A forward pre-hook on the first Linear of each input group (q of q,k,v; o; gate of gate,up; down) receives
+    that group's input for every sample at once: it feeds the accumulator, quantizes the group and writes the
+    quantized weights (``finish``) before the Linear runs, so everything downstream in the same forward already
+    sees them. The staged scheme computes the same inputs with a partial forward per stage and then a full
+    outputs pass (about 3.4 forwards of a Llama block instead of one).
+    """
+    groups = _input_groups(runner, x[:1], kwargs, runner_linears)
+    if groups is None:
+        return None
+    handles = []
+
+    def make_hook(group):
+        def hook(module, args):
+            accumulator = layer_quantizer.accumulator(block_linears[group[0]])
+            if accumulator is not None:  # RTN (an offloaded model walked block by block) needs no data
+                with timer("statistics (Hessians / input copies)"):
+                    accumulator.add(args[0].detach())
+            members = {name: block_linears[name] for name in group}
+            solved: dict = {}
+            for name in group:
+                if name not in solved:  # all at once where the quantizer solves layers together
+                    with timer("quantize (GPTQ solve / rounding)"):
+                        solved.update(_quantize_sharing(layer_quantizer, name, members,
+                                                        dict.fromkeys(group, accumulator)))
+                finish(name, solved.pop(name))
+        return hook
+
+    try:
+        for group in groups:
+            handles.append(runner_linears[group[0]].register_forward_pre_hook(make_hook(group)))
+        with timer("block forwards, one pass (statistics and outputs)"):
+            return _output_hidden(runner(x, **kwargs)).detach()
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _quantize_sharing(layer_quantizer, name: str, linears: dict[str, nn.Linear], accumulators: dict) -> dict:
@@ -467,9 +556,10 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
     offloaded = has_offloaded(model)
     if offloaded:
         device = torch.device("cpu")  # offloaded tensors sit on meta; accelerate computes on the CPU here
-    # GPTQ may run the forwards on a bf16 copy of each block; AWQ's search folds scales into the block itself,
-    # an offloaded block is accelerate's to move, and RTN needs no data: those stay in the model's dtype
-    bf16_able = recipe.method == "gptq" and not offloaded and not hasattr(layer_quantizer, "prepare_block")
+    # GPTQ and AWQ may run the forwards on a bf16 copy of each block (AWQ folds and clips the fp32 block itself,
+    # then takes a fresh copy for the outputs pass); an offloaded block is accelerate's to move, and RTN needs no
+    # data: those stay in the model's dtype
+    bf16_able = recipe.method in BF16_METHODS and not offloaded
     calib = calibration_dtype(recipe, device) if bf16_able else None
 
     state = None
@@ -501,18 +591,18 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                 errors[name] = saved["errors"][name]
                 _set_weight(per_block[i][name], qw)
         if 0 < done < len(blocks):
-            saved_inputs = torch.load(state / f"inputs_{done:04d}.pt", weights_only=True)
-            saved_inputs = [x.to(device) for x in saved_inputs]
+            saved_inputs = torch.load(state / f"inputs_{done:04d}.pt", weights_only=True).to(device)
 
     timer = _Timer()
     if done < len(blocks):
         with timer("capture block 0 inputs"):
             inputs, block_kwargs = _capture(model, blocks, batches, device)
         if saved_inputs is not None:
-            inputs = saved_inputs
+            inputs = list(saved_inputs.split(1))
         if calib is not None:
             inputs = [x.to(calib) for x in inputs]
             block_kwargs = [_cast_floats(kw, calib) for kw in block_kwargs]
+        inputs = _batched(inputs, recipe.calib_batch)
         with tqdm(range(done, len(blocks)), desc=f"blockwise {recipe.method} int{recipe.bits}", unit="block",
                   disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
             for i in bar:
@@ -521,35 +611,57 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                     onload(block)  # this block's weights into RAM, from accelerate's offload folder
                 block_weights = {}
                 runner, runner_linears = _runner(block, per_block[i], calib)
-                stages = _stages(per_block[i], sequential)
-                for k, stage in enumerate(stages):
-                    stage_linears = {name: per_block[i][name] for name in stage}
-                    # an earlier stage needs its layers' inputs only: the forward stops once all have fired
-                    accumulators, producers = _collect(runner, inputs, kwargs,
-                                                       {name: runner_linears[name] for name in stage},
-                                                       layer_quantizer, stop_early=k + 1 < len(stages), timer=timer)
+
+                def finish(name, qw, lin_of=per_block[i], runner_lin_of=runner_linears, runner=runner, block=block):
+                    errors[name] = relative_error(lin_of[name].weight, qw)
+                    block_weights[name] = qw
+                    bar.set_postfix_str(f"{name} rel_err={errors[name]:.4f}", refresh=True)
+                    _set_weight(lin_of[name], qw)  # later stages see this layer quantized (true sequential)
+                    if runner is not block:
+                        _set_weight(runner_lin_of[name], qw)
+
+                outputs = None
+                if sequential and len(inputs) == 1:  # every sample in one batch: the whole block in one forward
+                    outputs = _quantize_in_one_forward(runner, inputs[0], kwargs, runner_linears, per_block[i],
+                                                       layer_quantizer, timer, finish)
+                if outputs is not None:
+                    inputs = [outputs]
+                else:
                     prepare = getattr(layer_quantizer, "prepare_block", None)
-                    if prepare is not None:  # AWQ: scale search and fold over the whole block, before rounding
-                        with timer("block search (AWQ scales, clip)"):
-                            prepare(block, stage_linears, accumulators, producers)
-                    solved = {}
-                    for name, lin in stage_linears.items():
-                        if name not in solved:
-                            with timer("quantize (GPTQ solve / rounding)"):
-                                solved.update(_quantize_sharing(layer_quantizer, name, stage_linears, accumulators))
-                        qw = solved.pop(name)
-                        errors[name] = relative_error(lin.weight, qw)
-                        block_weights[name] = qw
-                        accumulators[name] = None  # free (a Hessian is in_features² floats)
-                        bar.set_postfix_str(f"{name} rel_err={errors[name]:.4f}", refresh=True)
-                        _set_weight(lin, qw)  # later stages see this layer quantized (true sequential)
-                        if runner is not block:
-                            _set_weight(runner_linears[name], qw)
-                    del accumulators
+                    # AWQ, awq_next_inputs=float: the statistics forward's outputs (the float block's) feed block
+                    # i + 1, as in AutoAWQ, and no outputs pass runs
+                    float_outputs = [] if prepare is not None and recipe.awq_next_inputs == "float" else None
+                    stages = _stages(per_block[i], sequential)
+                    for k, stage in enumerate(stages):
+                        stage_linears = {name: per_block[i][name] for name in stage}
+                        # an earlier stage needs its layers' inputs only: the forward stops once all have fired
+                        accumulators, producers = _collect(runner, inputs, kwargs,
+                                                           {name: runner_linears[name] for name in stage},
+                                                           layer_quantizer, stop_early=k + 1 < len(stages),
+                                                           timer=timer, outputs=float_outputs)
+                        if prepare is not None:  # AWQ: scale search and fold over the whole block, before rounding
+                            if runner is not block:  # fold into the fp32 block's norms, not the bf16 copy's
+                                name_of = {id(module): name for name, module in runner.named_modules()}
+                                producers = {n: block.get_submodule(name_of[id(m)]) for n, m in producers.items()}
+                            with timer("block search (AWQ scales, clip)"):
+                                prepare(block, stage_linears, accumulators, producers)
+                        solved = {}
+                        for name in stage_linears:
+                            if name not in solved:
+                                with timer("quantize (GPTQ solve / rounding)"):
+                                    solved.update(_quantize_sharing(layer_quantizer, name, stage_linears,
+                                                                    accumulators))
+                            finish(name, solved.pop(name))
+                            accumulators[name] = None  # free (a Hessian is in_features² floats)
+                        del accumulators
+                    if float_outputs is not None:
+                        inputs = float_outputs
+                    elif i + 1 < len(blocks):
+                        if prepare is not None and runner is not block:  # AWQ changed the block's norms too
+                            runner, runner_linears = _runner(block, per_block[i], calib)
+                        with timer("block forwards, outputs pass"):  # the next block's inputs, from the quantized block
+                            inputs = _run_block(runner, inputs, kwargs)
                 weights.update(block_weights)
-                if i + 1 < len(blocks):
-                    with timer("block forwards, outputs pass"):
-                        inputs = _run_block(runner, inputs, kwargs)  # the next block's inputs, from the quantized block
                 del runner, runner_linears
                 if offloaded:
                     release(list(per_block[i].values()))  # RAM stays about one block: the codes are kept
@@ -557,7 +669,7 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                     _atomic_save({"weights": {n: _qw_to_dict(q) for n, q in block_weights.items()},
                                   "errors": {n: errors[n] for n in block_weights}}, state / f"block_{i:04d}.pt")
                     if i + 1 < len(blocks):
-                        _atomic_save([x.cpu() for x in inputs], state / f"inputs_{i + 1:04d}.pt")
+                        _atomic_save(torch.cat(inputs).cpu(), state / f"inputs_{i + 1:04d}.pt")
                     _atomic_json({**record, "blocks_done": i + 1}, progress_file)
                     (state / f"inputs_{i:04d}.pt").unlink(missing_ok=True)
         del inputs
@@ -617,7 +729,7 @@ def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, 
     used: ``calib_dtype=auto`` becomes bf16 or fp32; fp32 for the methods and offloaded models that never use bf16.
     """
     device = next(model.parameters()).device
-    bf16 = recipe.method == "gptq" and not has_offloaded(model) and calibration_dtype(recipe, device) is not None
+    bf16 = recipe.method in BF16_METHODS and not has_offloaded(model) and calibration_dtype(recipe, device) is not None
     recipe = dataclasses.replace(recipe, calib_dtype="bf16" if bf16 else "fp32")
     if recipe.method == "rtn" and not has_offloaded(model):
         return quantize_model(model, recipe, progress=progress)
@@ -626,20 +738,23 @@ def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, 
         return quantize_blockwise(model, recipe, batches, RTNLayerQuantizer(recipe.config, recipe.mse),
                                   progress=progress)
     batches = calibration_batches(tokenizer, recipe.dataset, recipe.n_samples, recipe.seq_len)
-    return quantize_blockwise(model, recipe, batches, layer_quantizer_for(recipe), progress=progress,
+    return quantize_blockwise(model, recipe, batches, layer_quantizer_for(recipe, device), progress=progress,
                               state_dir=state_dir)
 
 
-def layer_quantizer_for(recipe: QuantRecipe):
+def layer_quantizer_for(recipe: QuantRecipe, device="cpu"):
     """The layer quantizer (driver protocol) a recipe's method uses."""
     if recipe.method == "gptq":
         return GPTQLayerQuantizer(recipe)
     if recipe.method == "awq":
-        return AWQLayerQuantizer(recipe.config, awq_options(recipe))
+        return AWQLayerQuantizer(recipe.config, awq_options(recipe, device))
     return RTNLayerQuantizer(recipe.config, recipe.mse)
 
 
-def awq_options(recipe: QuantRecipe) -> AWQOptions:
+def awq_options(recipe: QuantRecipe, device="cpu") -> AWQOptions:
+    """AWQOptions from a recipe; the MLP candidates of the scale search run in the calibration dtype."""
+    mlp_dtype = "bf16" if calibration_dtype(recipe, device) is torch.bfloat16 else "fp32"
     return AWQOptions(grid=recipe.awq_grid, duo_scaling=recipe.awq_duo_scaling, clip=recipe.awq_clip,
                       clip_grid=recipe.awq_clip_grid, max_shrink=recipe.awq_max_shrink,
-                      clip_tokens=recipe.awq_clip_tokens, search_samples=recipe.awq_search_samples)
+                      clip_tokens=recipe.awq_clip_tokens, search_samples=recipe.awq_search_samples,
+                      mlp_dtype=mlp_dtype)
