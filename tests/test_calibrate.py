@@ -398,3 +398,32 @@ def test_one_forward_per_block_matches_the_staged_scheme(arch, tiny_llama_dir, t
 def test_calib_batch_is_validated():
     with pytest.raises(ValueError, match="calib_batch"):
         QuantRecipe(method="gptq", calib_batch=-1)
+
+
+def test_staged_forwards_run_a_batch_in_slices(tiny_llama_dir, batches, monkeypatch):
+    """The staged path (AWQ; GPTQ with calib_batch > 0) runs each batch of inputs in slices of _FORWARD_SAMPLES
+    samples (cache-sized temporaries) and hands back one output per batch, equal to the unsliced forward."""
+    import toolkit.quant.calibrate as calibrate
+    from toolkit.quant.calibrate import _capture, _collect, _run_block
+
+    model = _load(tiny_llama_dir)
+    blocks_name, blocks = decoder_blocks(model)
+    with torch.no_grad():
+        inputs, kwargs = _capture(model, blocks, batches, torch.device("cpu"))
+    batch = [torch.cat(inputs)]
+    whole = _run_block(blocks[0], batch, kwargs[0])
+    monkeypatch.setattr(calibrate, "_FORWARD_SAMPLES", 1)
+    calls = []
+    handle = blocks[0].register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    sliced = _run_block(blocks[0], batch, kwargs[0])
+    linears = {n: m for n, m in model.named_modules()
+               if n.startswith(f"{blocks_name}.0.") and isinstance(m, torch.nn.Linear)}
+    quantizer = CountingQuantizer(RECIPE.config)
+    outputs = []
+    accumulators, _ = _collect(blocks[0], batch, kwargs[0], linears, quantizer, stop_early=False, outputs=outputs)
+    handle.remove()
+    assert calls == [1] * (2 * N)
+    assert len(sliced) == 1 and len(outputs) == 1
+    torch.testing.assert_close(sliced[0], whole[0])
+    torch.testing.assert_close(outputs[0], whole[0])
+    assert all(acc.rows == N * L and acc.calls == N for acc in accumulators.values())
