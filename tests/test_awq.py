@@ -287,3 +287,18 @@ def test_awq_next_block_inputs(tiny_llama_dir, tiny_tokenizer, next_inputs):
 def test_awq_next_inputs_is_validated():
     with pytest.raises(ValueError, match="awq_next_inputs"):
         QuantRecipe(method="awq", awq_next_inputs="bf16")
+
+
+def test_input_collector_reads_rows_and_channel_means_without_concatenating():
+    from toolkit.quant.awq import InputCollector
+
+    g = torch.Generator().manual_seed(6)
+    parts = [torch.randn(b, 5, 12, generator=g).to(torch.bfloat16) for b in (2, 1, 3)]  # [batch, seq, in] slices
+    collector = InputCollector()
+    for part in parts:
+        collector.add(part)
+    every = torch.cat([p.reshape(-1, 12) for p in parts]).float()
+    assert collector.n_rows == 30
+    index = torch.tensor([0, 4, 9, 10, 11, 15, 29])
+    torch.testing.assert_close(collector.take_rows(index), every[index])
+    torch.testing.assert_close(collector.mean_abs(), every.abs().mean(0))

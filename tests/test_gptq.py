@@ -47,6 +47,21 @@ def test_hessian_of_bf16_inputs_is_the_fp32_average_of_their_bf16_products():
     assert 0 < err < 4e-3, err  # each batch's product rounded once to bf16 (2^-9), not more
 
 
+@pytest.mark.parametrize("width", [513, 600])
+def test_wide_bf16_hessian_from_three_half_blocks_equals_the_full_product(width):
+    """From 512 features the bf16 Gram is built from the diagonal half-blocks and one off-diagonal block (its
+    transpose fills the other): the full GEMM's values, exactly symmetric, over several batches."""
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randn(300, width, generator=g).to(torch.bfloat16) for _ in range(3)]
+    acc = HessianAccumulator(width)
+    expected = torch.zeros(width, width)
+    for i, xb in enumerate(batches):
+        acc.add(xb)
+        expected.mul_(i / (i + 1)).add_((xb.t() @ xb).float(), alpha=2.0 / (300 * (i + 1)))
+    assert torch.equal(acc.hessian, acc.hessian.t())
+    torch.testing.assert_close(acc.hessian, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("config", [QuantConfig(4, 32, True), QuantConfig(4, 32, False), QuantConfig(3, 128, True),
                                     QuantConfig(3, -1, False)])
 @pytest.mark.parametrize("act_order", [False, True])

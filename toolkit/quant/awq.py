@@ -76,11 +76,6 @@ class InputCollector:
     def n_rows(self) -> int:
         return sum(x.shape[0] for x in self._flat())
 
-    def rows(self, n_samples: int | None = None) -> torch.Tensor:
-        """The inputs as float32 rows ``[tokens, in]`` (the first ``n_samples`` tensors when given)."""
-        xs = self.inputs if n_samples is None else self.inputs[:n_samples]
-        return torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]).to(torch.float32)
-
     def take_rows(self, index: torch.Tensor) -> torch.Tensor:
         """float32 rows at flat token positions ``index`` (ascending), without materializing the others."""
         picked, start = [], 0
@@ -133,8 +128,8 @@ def search_scales(x: torch.Tensor | None, linears: list[nn.Linear], config: Quan
     """``(s [in], best alpha, best loss)`` for Linears that all read ``x [tokens, in]`` (float32 rows).
 
     ``mean|x|`` comes from all of ``x`` (or is given: ``x_mean``); the loss is measured on ``x_search`` (default
-    ``x``). ``inspect(x)``
-    maps the group's input to the output whose error counts (default: the Linears' outputs concatenated).
+    ``x``). ``inspect(x)`` maps the group's input to the output whose error counts (default: the Linears' outputs
+    concatenated).
     """
     x_search = x if x_search is None else x_search
     x_mean = x.abs().mean(0) if x_mean is None else x_mean
