@@ -98,7 +98,7 @@ class InputCollector:
 
 class _SearchRows:
     """What the searches read of one input tensor: ``mean|x|`` over all rows, the scale search's first
-    ``n_search`` rows and the clip search's evenly spaced rows, float32 copies the folds divide by ``s``."""
+    ``n_search`` rows and the clip search's evenly spaced rows (float32 copies a fold divides by ``s``)."""
 
     def __init__(self, collector: InputCollector, n_search: int, clip_tokens: int):
         total = collector.n_rows
@@ -107,8 +107,7 @@ class _SearchRows:
         step = max(1, total // clip_tokens)  # as `search_clip` would subsample all rows
         self.clip = collector.take_rows(torch.arange(0, total, step)[:clip_tokens])
 
-    def div_(self, s: torch.Tensor) -> None:
-        self.mean_abs = self.mean_abs / s
+    def div_(self, s: torch.Tensor) -> None:  # (mean_abs has been used by then: one scale search per input)
         self.search.div_(s)
         self.clip.div_(s)
 

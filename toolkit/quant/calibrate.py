@@ -476,6 +476,16 @@ def calibration_dtype(recipe: QuantRecipe, device) -> torch.dtype | None:
     return torch.bfloat16 if choice == "bf16" else None
 
 
+def _forward_dtype(recipe: QuantRecipe, offloaded: bool, device) -> torch.dtype | None:
+    """The dtype of a run's calibration forwards, or None for the model's own. GPTQ and AWQ may run them on a bf16
+    copy of each block (`calibration_dtype`; AWQ folds and clips the fp32 block itself, then takes a fresh copy
+    for an outputs pass); an offloaded block is accelerate's to move, and RTN needs no data: those stay as they
+    are."""
+    if recipe.method not in BF16_METHODS or offloaded:
+        return None
+    return calibration_dtype(recipe, device)
+
+
 def _cast_floats(value, dtype: torch.dtype):
     """``value`` with every floating-point tensor in it (nested in tuples, lists, dicts) cast to ``dtype``."""
     if isinstance(value, torch.Tensor):
@@ -570,11 +580,7 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
     offloaded = has_offloaded(model)
     if offloaded:
         device = torch.device("cpu")  # offloaded tensors sit on meta; accelerate computes on the CPU here
-    # GPTQ and AWQ may run the forwards on a bf16 copy of each block (AWQ folds and clips the fp32 block itself,
-    # then takes a fresh copy for the outputs pass); an offloaded block is accelerate's to move, and RTN needs no
-    # data: those stay in the model's dtype
-    bf16_able = recipe.method in BF16_METHODS and not offloaded
-    calib = calibration_dtype(recipe, device) if bf16_able else None
+    calib = _forward_dtype(recipe, offloaded, device)
 
     state = None
     done = 0
@@ -626,13 +632,12 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                 block_weights = {}
                 runner, runner_linears = _runner(block, per_block[i], calib)
 
-                def finish(name, qw, lin_of=per_block[i], runner_lin_of=runner_linears, runner=runner, block=block):
-                    errors[name] = relative_error(lin_of[name].weight, qw)
+                def finish(name, qw, linears=per_block[i], runner_linears=runner_linears):
+                    errors[name] = relative_error(linears[name].weight, qw)
                     block_weights[name] = qw
                     bar.set_postfix_str(f"{name} rel_err={errors[name]:.4f}", refresh=True)
-                    _set_weight(lin_of[name], qw)  # later stages see this layer quantized (true sequential)
-                    if runner is not block:
-                        _set_weight(runner_lin_of[name], qw)
+                    for linear in {id(lin): lin for lin in (linears[name], runner_linears[name])}.values():
+                        _set_weight(linear, qw)  # later stages see this layer quantized (true sequential)
 
                 outputs = None
                 if sequential and len(inputs) == 1:  # every sample in one batch: the whole block in one forward
@@ -743,7 +748,7 @@ def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, 
     used: ``calib_dtype=auto`` becomes bf16 or fp32; fp32 for the methods and offloaded models that never use bf16.
     """
     device = next(model.parameters()).device
-    bf16 = recipe.method in BF16_METHODS and not has_offloaded(model) and calibration_dtype(recipe, device) is not None
+    bf16 = _forward_dtype(recipe, has_offloaded(model), device) is not None
     recipe = dataclasses.replace(recipe, calib_dtype="bf16" if bf16 else "fp32")
     if recipe.method == "rtn" and not has_offloaded(model):
         return quantize_model(model, recipe, progress=progress)

@@ -174,8 +174,7 @@ def search_qparams(weight: torch.Tensor, config: QuantConfig, *, grid: int = 100
         p = 1.0 - i / grid
         scale, zero = _qparams_of_range(p * xmin, p * xmax, config)
         s, z = scale[..., None], zero.to(torch.float32)[..., None]
-        q = (torch.round(groups / s) + z).clamp_(0, config.maxq)
-        err = ((q - z) * s - groups).abs_().pow_(norm).sum(dim=-1)
+        err = ((_grid_codes(groups, scale, zero, config) - z) * s - groups).abs_().pow_(norm).sum(dim=-1)
         if best_err is None:
             best_scale, best_zero, best_err = scale, zero, err
             continue
@@ -204,8 +203,13 @@ def quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, conf
     groups = _as_groups(weight, config)
     out, n_groups, _ = groups.shape
     _check_qparams(scale, zero, out, n_groups)
+    return _grid_codes(groups, scale, zero, config).to(torch.uint8).reshape(out, -1)[:, :weight.shape[1]]
+
+
+def _grid_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """``clamp(round(w / scale) + zero, 0, maxq)`` as float32 for grouped ``[out, n_groups, gs]`` weights."""
     q = torch.round(groups / scale.to(torch.float32)[..., None]) + zero.to(torch.float32)[..., None]
-    return q.clamp(0, config.maxq).to(torch.uint8).reshape(out, -1)[:, :weight.shape[1]]
+    return q.clamp_(0, config.maxq)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, config: QuantConfig,
