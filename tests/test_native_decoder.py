@@ -13,6 +13,7 @@ from toolkit.engine.lean_forward import LeanForward, install
 from toolkit.engine.native_decoder import NativeDecoder, library
 from toolkit.engine.precision import Precision, prepare_model
 from toolkit.errors import InputError
+from toolkit.quant import vnni
 
 pytestmark = pytest.mark.skipif(library() is None, reason="the native decoder is not built here (no C compiler, no "
                                                           "AVX2, or SPECQUANT_NO_KERNELS is set)")
@@ -114,10 +115,30 @@ def test_the_kv_cache_holds_what_the_torch_path_would_have_written(int4_model):
         assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
 
 
-@pytest.mark.parametrize("draft_kind", ["lookup", "self-int4"])
+@pytest.mark.skipif(not vnni.available(), reason="int8 activations need the VNNI kernel (AVX512-VNNI)")
+def test_int8_activations_approximate_the_fp32_stack_and_keep_rows_independent(int4_model):
+    """A draft's stack (spec.act_bits=8): every product on the w4a8 kernel, close to the fp32 stack but not it, and a
+    row's logits still do not depend on the rows beside it."""
+    exact = script(int4_model.forward, int4_model)
+    int4_model.forward.use_activations("int8")
+    native = int4_model.forward.native_decoder()
+    assert native is not None and native.w4a8 == 4 * int4_model.config.num_hidden_layers
+    approx = script(int4_model.forward, int4_model)
+    assert torch.equal(approx[0], exact[0])  # the prompt fills an empty cache through the torch path
+    for a, b in zip(approx[1:], exact[1:]):
+        assert not torch.equal(a, b)
+        assert (a - b).abs().max() <= 0.05 * b.abs().max(), (a - b).abs().max() / b.abs().max()
+    test_a_rows_logits_do_not_depend_on_the_rows_beside_it(int4_model)
+    with pytest.raises(ValueError, match="activations"):
+        int4_model.forward.use_activations("int4")
+
+
+@pytest.mark.parametrize("draft_kind", ["lookup", "self-int4", "self-w4a8-shared-kv"])
 def test_speculative_greedy_output_with_a_native_target_is_the_target_alone(int4_model, tiny_tokenizer, draft_kind):
+    from toolkit.spec.build import build_draft
     from toolkit.spec.decode import DraftLength, speculative_generate
     from toolkit.spec.drafts import LookupDraft, ModelDraft
+    from toolkit.spec.ragged import RaggedBatch
     from toolkit.spec.self_draft import build_self_draft
 
     import pydoc_data.topics
@@ -125,12 +146,35 @@ def test_speculative_greedy_output_with_a_native_target_is_the_target_alone(int4
     texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 400]
     prompts = [texts[3 * i][:50 + 9 * i] + " " + texts[3 * i][:20] for i in range(6)]
     reference = [s.token_ids for s in generate(int4_model, tiny_tokenizer, prompts, 20, stop_tokens=set()).sequences]
+    widths = []
+    feed = RaggedBatch.feed
     for i, prompt in enumerate(prompts):
-        draft = LookupDraft(3, 1) if draft_kind == "lookup" else ModelDraft(
-            build_self_draft(int4_model, layers=1, bits=4, group_size=32))
+        if draft_kind == "lookup":
+            draft = LookupDraft(3, 1)
+        elif draft_kind == "self-int4":
+            draft = ModelDraft(build_self_draft(int4_model, layers=1, bits=4, group_size=32))
+        else:  # the spec=self defaults on a VNNI CPU: int8 activations, w8a8 head, the target's keys and values
+            draft = build_draft({"kind": "self", "bits": 4, "group_size": 32, "share_kv": True, "act_bits": 8,
+                                 "head_bits": 8, "head_group_size": 32}, int4_model, tiny_tokenizer)
+            assert isinstance(draft.model.lm_head, vnni.VnniLinear) == vnni.available()
         length = DraftLength(k=2 + i % 4, adaptive=i % 2 == 1, k_min=1, k_max=6)
-        out = speculative_generate(int4_model, tiny_tokenizer, [prompt], 20, draft, length, stop_tokens=set())
+
+        def recording(self, rows, logits=None):
+            if self.model is getattr(draft, "model", None):
+                widths.append(max(len(r) for r in rows))
+            return feed(self, rows, logits)
+
+        RaggedBatch.feed = recording
+        try:
+            out = speculative_generate(int4_model, tiny_tokenizer, [prompt], 20, draft, length, stop_tokens=set())
+        finally:
+            RaggedBatch.feed = feed
         assert out.sequences[0].token_ids == reference[i], i
+        if draft_kind == "self-w4a8-shared-kv":
+            assert draft.target is not None and draft.model.forward.native_decoder().w4a8 == vnni.available() * 8
+            assert out.stats.accepted > 0
+    if draft_kind == "self-w4a8-shared-kv":
+        assert max(widths) == 1  # the draft never ran a prompt: it reads the target's keys and values
 
 
 def test_native_forward_on_a_model_it_cannot_run_is_a_clear_error(tiny_llama_dir):

@@ -8,6 +8,7 @@ import torch
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import SamplingParams, probabilities
 from toolkit.errors import InputError
+from toolkit.spec.build import build_draft
 from toolkit.spec.decode import DraftLength, speculative_generate
 from toolkit.spec.drafts import LookupDraft, ModelDraft
 from toolkit.spec.ragged import RaggedBatch
@@ -47,6 +48,9 @@ def _drafts(model, tokenizer, other):
         "self-int4-1layer": lambda: ModelDraft(build_self_draft(model, layers=1, bits=4, group_size=32)),
         "self-all-layers": lambda: ModelDraft(build_self_draft(model, bits=None)),
         "self-int4-head": lambda: ModelDraft(_with_int4_head(build_self_draft(model, layers=1, bits=4, group_size=32))),
+        # the spec=self defaults: the target's keys and values (one sequence; a batch keeps its own), int8 head
+        "self-shared-kv": lambda: build_draft({"kind": "self", "bits": 4, "group_size": 32, "share_kv": True,
+                                               "act_bits": 8, "head_bits": 8, "head_group_size": 32}, model, tokenizer),
         "other-model": lambda: ModelDraft(other, target_tokenizer=tokenizer, draft_tokenizer=tokenizer,
                                           target_vocab=model.get_output_embeddings().weight.shape[0]),
     }
@@ -71,7 +75,7 @@ def _ids(result):
 
 
 @pytest.mark.parametrize("draft_name", ["lookup", "lookup-scaled", "self-int4-1layer", "self-all-layers", "other-model",
-                                        "self-int4-head"])
+                                        "self-int4-head", "self-shared-kv"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_greedy_output_is_the_target_alone_one_sequence_at_a_time(llama_and_gemma, arch, draft_name):
     llama, gemma, tok = llama_and_gemma
@@ -85,7 +89,8 @@ def test_greedy_output_is_the_target_alone_one_sequence_at_a_time(llama_and_gemm
         assert out.sequences[0].token_ids == reference[i], (draft_name, i)
 
 
-@pytest.mark.parametrize("draft_name", ["lookup", "lookup-scaled", "self-int4-1layer", "self-all-layers", "other-model"])
+@pytest.mark.parametrize("draft_name", ["lookup", "lookup-scaled", "self-int4-1layer", "self-all-layers", "other-model",
+                                        "self-shared-kv"])
 def test_a_batch_keeps_different_lengths_per_row_and_equals_each_row_alone(llama_and_gemma, draft_name):
     llama, gemma, tok = llama_and_gemma
     prompts = _prompts(6)
@@ -434,3 +439,32 @@ def test_self_draft_of_a_quantized_target_requantizes_wider_codes_and_keeps_narr
         got = _ids(speculative_generate(target, tok, prompts, 12, ModelDraft(draft), DraftLength(k=3),
                                         stop_tokens=set()))
         assert got == reference
+
+
+def test_a_shared_kv_draft_holds_the_targets_keys_and_values_for_every_verified_token(llama_and_gemma):
+    """spec.share_kv: after a generation the draft's cache is the target's, bit for bit, up to the last sync (the
+    prompt and every verified token); a batch keeps the draft's own cache."""
+    llama, _, tok = llama_and_gemma
+    spec = {"kind": "self", "bits": 4, "group_size": 32, "share_kv": True}
+    draft = build_draft(spec, llama, tok)
+    prompt = _prompts(2)[1]
+    out = speculative_generate(llama, tok, [prompt], 16, draft, DraftLength(3), stop_tokens=set())
+    target = draft.target
+    assert target is not None
+    prompt_len = len(tok(prompt).input_ids)
+    assert prompt_len < draft.synced <= target.cache.length == prompt_len + 16 - 1
+    for mine, theirs in zip(draft.state.cache.layers, target.cache.layers):
+        assert torch.equal(mine.key_buffer[:, :, :draft.synced], theirs.key_buffer[:, :, :draft.synced])
+        assert torch.equal(mine.value_buffer[:, :, :draft.synced], theirs.value_buffer[:, :, :draft.synced])
+    assert out.stats.rounds > 1
+    own = build_draft({**spec, "share_kv": False}, llama, tok)
+    speculative_generate(llama, tok, [prompt], 4, own, DraftLength(3), stop_tokens=set())
+    assert own.target is None
+    speculative_generate(llama, tok, _prompts(2), 4, draft, DraftLength(3), stop_tokens=set())
+    assert draft.target is None  # two sequences: the draft keeps its own cache
+
+
+def test_draft_activation_bits_other_than_8_are_a_clear_error(llama_and_gemma):
+    llama, _, tok = llama_and_gemma
+    with pytest.raises(InputError, match="act_bits"):
+        build_draft({"kind": "self", "bits": 4, "group_size": 32, "act_bits": 4}, llama, tok)

@@ -377,6 +377,7 @@ class LeanForward:
         self.model = model
         self.share_kv_heads = share_kv_heads  # sdpa on the CPU: sdpa_gqa (False: transformers' sdpa, for comparison)
         self.native = native  # int4 stacks run the native decoder where a call allows (toolkit/engine/native_decoder)
+        self.native_activations = "fp32"  # "int8": its products on the w4a8 kernel (a draft's; `use_activations`)
         self._plan: tuple[tuple, list[_LayerPlan]] | None = None  # (what it was built for, the layers' plans)
         self._native = None  # the NativeDecoder of the current plan, or None
         self.native_reason = ""  # why the current plan has none
@@ -393,8 +394,18 @@ class LeanForward:
             if self.native:
                 from toolkit.engine.native_decoder import NativeDecoder
 
-                self._native, self.native_reason = NativeDecoder.of(self.model, self._plan[1])
+                self._native, self.native_reason = NativeDecoder.of(self.model, self._plan[1],
+                                                                    self.native_activations)
         return self._plan[1]
+
+    def use_activations(self, activations: str) -> None:
+        """The native decoder's activations from now on: "fp32" (exact) or "int8" (the w4a8 kernel, for drafts)."""
+        from toolkit.engine.native_decoder import ACTIVATIONS
+
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"native decoder activations must be one of {ACTIVATIONS}, got {activations!r}")
+        self.native_activations = activations
+        self._plan = None
 
     def native_decoder(self):
         """The native decoder for the model's current layers, or None (`native_reason` says why)."""

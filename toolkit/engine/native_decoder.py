@@ -15,6 +15,11 @@ When it runs (`NativeDecoder.applies`; anything else takes the lean forward's to
   already holding the prompt (the quantized and paged caches take the torch path), fewer new rows than the
   packs' `max_rows` (decode, verify passes, short prompts).
 
+A draft's stack (`spec.act_bits=8`: `LeanForward.native_activations = "int8"`) runs its products on the w4a8
+kernel instead (`toolkit.quant.vnni`: activations rounded to int8 per group, AVX512-VNNI dot products; the v16
+packs are made from the n8 ones once per pack): an approximation of the fp32 product, which a draft may be (the target
+verifies its tokens), row-independent all the same.
+
 Numbers: the same model in fp32, within fp32 rounding of transformers' forward (sums in another order; tested on
 the logits), not bit-identical to it. Rows are independent by construction: row i's result is the same whatever
 the number of rows fed beside it, so a speculative verify pass gives each position exactly what one-row decoding
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,18 +38,21 @@ import torch
 import torch.nn.functional as F
 
 from toolkit import cbuild
-from toolkit.quant import int4_native
+from toolkit.quant import int4_native, vnni
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "c" / "decoder_layers.c"
 FLAGS = [*int4_native.FLAGS, "-lm"]  # the int4 GEMM's flags (no FP contraction: row independence), and libm
+ACTIVATIONS = ("fp32", "int8")
 
 
 class _Q4(ctypes.Structure):
-    """One int4 product: an n8 pack (`toolkit.quant.int4_native`), its fp32 bias or NULL, out, in and group."""
+    """One int4 product: an n8 pack (`toolkit.quant.int4_native`) or, with w4a8 = 1, a v16 pack
+    (`toolkit.quant.vnni`, int8 activations); its fp32 bias or NULL, out, in and group."""
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64)]
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64),
+                ("w4a8", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -61,7 +70,7 @@ def load():
     """Build (once per source, flags and CPU) and load the library, or None with a warning."""
     lib = cbuild.load_library(SOURCE, "decoder-layers", list(FLAGS), "native int4 decoder",
                               "int4 models run the lean forward's torch operators", log,
-                              includes=(int4_native.SOURCE,))
+                              includes=(int4_native.SOURCE, vnni.SOURCE))
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -79,9 +88,33 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _q4(codes, scale, zero, bias, group: int) -> _Q4:
-    return _Q4(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), _ptr(bias), codes.shape[0] * 8,
-               codes.shape[1] * 2, group)
+def _q4(codes, scale, zero, bias, group: int, keep: list, activations: str = "fp32") -> _Q4:
+    """The struct of one n8 product; with int8 activations its v16 pack where the layout holds it (kept alive in
+    `keep`), else the n8 pack as it is."""
+    n, k = codes.shape[0] * int4_native.BLOCK_N, codes.shape[1] * 2
+    if activations == "int8":
+        v16 = _v16(codes, scale, zero, group)
+        if v16 is not None:
+            keep.extend(v16)
+            return _Q4(*(t.data_ptr() for t in v16), _ptr(bias), n, k, group, 1)
+    return _Q4(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), _ptr(bias), n, k, group, 0)
+
+
+_V16: dict[int, tuple] = {}  # id(n8 codes) -> (weakref to them, group, v16 pack): plans are rebuilt often, packs once
+
+
+def _v16(codes, scale, zero, group: int) -> tuple | None:
+    """The v16 pack of an n8 pack (`vnni.from_n8`), made once per pack, or None where w4a8 cannot run it."""
+    if not vnni.available():
+        return None
+    hit = _V16.get(id(codes))
+    if hit is not None and hit[0]() is codes and hit[1] == group:
+        return hit[2]
+    for key in [key for key, (ref, _, _) in _V16.items() if ref() is None]:
+        del _V16[key]
+    v16 = vnni.from_n8(codes, scale, zero, group)
+    _V16[id(codes)] = (weakref.ref(codes), group, v16)
+    return v16
 
 
 def _single(layer) -> tuple | None:
@@ -109,10 +142,14 @@ class NativeDecoder:
         self.dims = dims
         self.max_rows = max_rows
         self.n_layers = n_layers
+        self.w4a8 = 0  # products on the w4a8 kernel (`of(..., activations="int8")`)
 
     @classmethod
-    def of(cls, model, plans) -> tuple[NativeDecoder | None, str]:
-        """The native stack for `model`'s layer plans, or (None, why not)."""
+    def of(cls, model, plans, activations: str = "fp32") -> tuple[NativeDecoder | None, str]:
+        """The native stack for `model`'s layer plans, or (None, why not). `activations="int8"` (a draft's stack):
+        the products run the w4a8 kernel where it is available and its layout holds them."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"native decoder activations must be one of {ACTIVATIONS}, got {activations!r}")
         from toolkit.engine.lean_forward import Int4N8Pack
 
         if library() is None:
@@ -139,9 +176,11 @@ class NativeDecoder:
                 return None, "unexpected fused pack shapes"
             keep += [t for t in (qkv.bias, gate_up.bias, o[3], down[3]) if t is not None]
             layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
-                                 _q4(qkv.codes, qkv.scale, qkv.zero, qkv.bias, qkv.group),
-                                 _q4(*o), _q4(gate_up.codes, gate_up.scale, gate_up.zero, gate_up.bias, gate_up.group),
-                                 _q4(*down)))
+                                 _q4(qkv.codes, qkv.scale, qkv.zero, qkv.bias, qkv.group, keep, activations),
+                                 _q4(*o, keep, activations),
+                                 _q4(gate_up.codes, gate_up.scale, gate_up.zero, gate_up.bias, gate_up.group, keep,
+                                     activations),
+                                 _q4(*down, keep, activations)))
             max_rows = min(qkv.max_rows, gate_up.max_rows, max_rows or qkv.max_rows)
             keep += [norms[0], norms[1]]
         attn = plans[0].attn
@@ -151,7 +190,9 @@ class NativeDecoder:
         if any(p.input_norm.variance_epsilon != eps or p.post_norm.variance_epsilon != eps for p in plans):
             return None, "norms with different epsilons"
         dims = _Dims(config.hidden_size, heads, kv_heads, head_dim, plans[0].gate_up.sizes[0], 0, eps, attn.scaling)
-        return cls(layers, keep, dims, max_rows, len(plans)), ""
+        decoder = cls(layers, keep, dims, max_rows, len(plans))
+        decoder.w4a8 = sum(q.w4a8 for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return decoder, ""
 
     def applies(self, hidden: torch.Tensor, attention_mask, cache) -> bool:
         """Whether this call can run natively (see the module docstring); cheap checks only."""

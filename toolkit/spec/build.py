@@ -60,7 +60,8 @@ def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = N
         model = build_self_draft(target, _get(spec_cfg, "layers"), None if bits in (None, 0, 16) else int(bits),
                                  int(_get(spec_cfg, "group_size", 64)))
         _draft_head(spec_cfg, model)
-        return ModelDraft(model, **common)
+        _draft_activations(spec_cfg, model)
+        return ModelDraft(model, share_kv=bool(_get(spec_cfg, "share_kv", False)), **common)
     name = _get(spec_cfg, "model")
     if not name:
         raise InputError("spec=draft needs a draft model", "set spec.model=NAME (a registry name, a directory or a "
@@ -71,7 +72,18 @@ def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = N
         raise InputError("spec=draft needs the engine config to load its model", "pass engine_cfg")
     loaded = load_engine_model(str(name), engine_cfg)
     _draft_head(spec_cfg, loaded.model)
+    _draft_activations(spec_cfg, loaded.model)
     return ModelDraft(loaded.model, target_tokenizer=tokenizer, draft_tokenizer=loaded.tokenizer, **common)
+
+
+def _act_bits(spec_cfg) -> int | None:
+    """spec.act_bits: 8 (the draft's int4 products take int8 activations, `toolkit.quant.vnni`) or None."""
+    bits = _get(spec_cfg, "act_bits")
+    if bits in (None, 0, 32):
+        return None
+    if int(bits) != 8:
+        raise InputError(f"spec.act_bits must be 8 or null, got {bits}", "use spec.act_bits=8, or null for fp32")
+    return 8
 
 
 def _draft_head(spec_cfg, model) -> None:
@@ -80,7 +92,18 @@ def _draft_head(spec_cfg, model) -> None:
     if bits not in (None, 0, 16):
         from toolkit.spec.draft_head import quantize_draft_head
 
-        quantize_draft_head(model, int(bits), int(_get(spec_cfg, "head_group_size", 64)))
+        quantize_draft_head(model, int(bits), int(_get(spec_cfg, "head_group_size", 64)), _act_bits(spec_cfg))
+
+
+def _draft_activations(spec_cfg, model) -> None:
+    """spec.act_bits=8: the draft's native int4 decoder stack (a self-draft's int4 layers, an int4 checkpoint's) runs
+    the w4a8 kernel where the CPU has AVX512-VNNI; elsewhere, and for float drafts, nothing changes."""
+    if _act_bits(spec_cfg) == 8:
+        from toolkit.engine.lean_forward import LeanForward
+
+        forward = model.__dict__.get("forward")
+        if isinstance(forward, LeanForward):
+            forward.use_activations("int8")
 
 
 def _vocab(model) -> int:
@@ -94,4 +117,4 @@ def describe_draft(draft) -> str:
         return draft.describe()
     from toolkit.spec.self_draft import describe
 
-    return describe(draft.model)
+    return describe(draft.model) + (", target's KV" if getattr(draft, "share_kv", False) else "")

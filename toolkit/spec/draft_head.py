@@ -15,9 +15,10 @@ from toolkit.errors import InputError
 HEAD_BITS = (4, 8)
 
 
-def quantize_draft_head(model, bits: int, group_size: int) -> None:
+def quantize_draft_head(model, bits: int, group_size: int, act_bits: int | None = None) -> None:
     """Replace `model`'s output head with an RTN `bits`-bit QuantLinear (asymmetric, `group_size` columns a group for
-    4 bits; 8 bits are symmetric per channel, the layout the int8 GEMM runs)."""
+    4 bits; 8 bits are symmetric per channel, the layout the int8 GEMM runs). With `act_bits=8` a `VnniLinear`
+    instead (int8 activations in groups of `group_size`, AVX512-VNNI) where the CPU and the shape allow it."""
     from toolkit.quant.primitives import QuantConfig
     from toolkit.quant.qlinear import QuantLinear
     from toolkit.quant.rtn import rtn_quantize
@@ -37,4 +38,10 @@ def quantize_draft_head(model, bits: int, group_size: int) -> None:
               else QuantConfig(bits=8, group_size=-1, symmetric=True))
     bias = getattr(head, "bias", None)
     qw = rtn_quantize(weight.detach().float(), config, None if bias is None else bias.detach().float())
+    if act_bits == 8 and weight.device.type == "cpu":
+        from toolkit.quant import vnni
+
+        if vnni.available() and vnni.supports(weight.shape[0], in_features, group_size):
+            model.lm_head = vnni.VnniLinear.from_quantized(qw, act_group=group_size)
+            return
     model.lm_head = QuantLinear.from_quantized(qw, weight.device)

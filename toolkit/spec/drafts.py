@@ -130,13 +130,19 @@ class ModelDraft:
     (made by `toolkit.kv.make_kv_cache`, so a quantized cache works too) and rolls it back on rejection.
 
     `min_confidence` > 0 stops a row's draft at the first token the draft gives less than that probability: a
-    cheap way to spend draft steps only where they are likely accepted."""
+    cheap way to spend draft steps only where they are likely accepted.
+
+    `share_kv` (a self-draft's, `spec.share_kv`; QuantSpec's shared cache): every token the target has verified is
+    in the draft's cache with the target's own keys and values, copied from the target's cache each round, so the
+    draft never runs the prompt and computes keys and values only for the tokens it drafts (and the round's first,
+    the target's correction). Only a draft whose layer i is the target's layer i at another precision can read
+    them (the self-draft); one sequence with full-precision caches on both sides, else the draft keeps its own."""
 
     deterministic = False
 
     def __init__(self, model, sampling: SamplingParams | None = None, target_tokenizer=None,
                  draft_tokenizer=None, target_vocab: int | None = None, kv=None, min_confidence: float = 0.0,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, share_kv: bool = False):
         problem = vocab_mismatch(target_tokenizer, draft_tokenizer)
         if problem:
             raise InputError(f"the draft model's tokenizer does not match the target's: {problem}",
@@ -145,6 +151,8 @@ class ModelDraft:
         self.model, self.sampling, self.kv = model, sampling or SamplingParams(), kv
         self.target_vocab, self.min_confidence, self.generator = target_vocab, min_confidence, generator
         self.state: RaggedBatch | None = None
+        self.share_kv = share_kv
+        self.target: RaggedBatch | None = None  # the target's batch whose cache this draft reads (`share_target`)
 
     def reset(self, batch: int, capacity: int, pad_id: int) -> None:
         from toolkit.kv import make_kv_cache
@@ -153,7 +161,35 @@ class ModelDraft:
         self.state = RaggedBatch(self.model, cache, batch, pad_id,
                                  getattr(self.model, "specquant_decode_forward", None))
         self.fed = [0] * batch  # per row: context tokens already in the draft's cache
+        self.synced = 0  # with a shared cache: slots holding the target's keys and values
+        self.target = None
         self._round = None
+
+    def share_target(self, target: RaggedBatch) -> bool:
+        """With `share_kv`: read the verified tokens' keys and values from `target`'s cache from now on, where both
+        caches can (see the class docstring). Returns whether it does."""
+        from toolkit.engine.kv_cache import ContiguousKVCache
+
+        mine, theirs = self.state.cache, target.cache
+        if (self.share_kv and self.state.batch == 1 and target.batch == 1 and type(mine) is ContiguousKVCache
+                and type(theirs) is ContiguousKVCache and len(mine.layers) <= len(theirs.layers)):
+            self.target = target
+        return self.target is not None
+
+    def _sync(self) -> None:
+        """Make the draft's cache the target's for every verified token: drop the draft's own keys and values past
+        what came from the target, copy the target's slots after it."""
+        state, source = self.state, self.target.cache
+        start, end = self.synced, source.length
+        state.cache.crop(start)
+        for mine, theirs in zip(state.cache.layers, source.layers):
+            if not mine.is_initialized:
+                mine.lazy_initialization(theirs.key_buffer, theirs.value_buffer)
+            mine.key_buffer[:, :, start:end].copy_(theirs.key_buffer[:, :, start:end])
+            mine.value_buffer[:, :, start:end].copy_(theirs.value_buffer[:, :, start:end])
+            mine.advance(end - start)
+        state.reset_to(end)
+        self.fed[0] = self.synced = end
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (checkpoints pad embedding tables to different sizes; the
@@ -169,6 +205,8 @@ class ModelDraft:
         batch = len(contexts)
         active = active or [True] * batch
         state = self.state
+        if self.target is not None and active[0]:
+            self._sync()
         state.mark()
         # catch up: feed what the draft has not seen (the last round's correction, and the last draft token when
         # all were accepted); a finished row feeds a pad that it never keeps

@@ -84,6 +84,15 @@ class RaggedBatch:
                     out = run()
         return out
 
+    def reset_to(self, length: int) -> None:
+        """One sequence whose cache was filled to `length` slots from elsewhere (a shared draft cache): every slot a
+        real token, the round marked there."""
+        if self.batch != 1 or self.cache.length != length:
+            raise ValueError(f"reset_to({length}) needs one sequence and a cache of that length")
+        self.mask = torch.ones(1, length, dtype=torch.long, device=self.mask.device)
+        self.counts = torch.full_like(self.counts, length)
+        self.mark()
+
     def keep(self, kept: list[int]) -> None:
         """Of the tokens fed to row i since the mark, keep its first kept[i]; roll the rest back (mask them out for
         the row, and crop the cache after the last slot any row keeps)."""

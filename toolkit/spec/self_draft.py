@@ -109,13 +109,19 @@ def build_self_draft(target, layers: int | None = None, bits: int | None = 4, gr
 
 
 def describe(draft) -> str:
+    from toolkit.engine.lean_forward import LeanForward
     from toolkit.quant.qlinear import QuantLinear
+    from toolkit.quant.vnni import VnniLinear
 
     head = draft.get_output_embeddings()
-    head = f", int{head.bits} head" if isinstance(head, QuantLinear) else ""  # spec.head_bits
+    head = (f", int{head.bits} head" + (" (int8 activations)" if isinstance(head, VnniLinear) else "")
+            if isinstance(head, (QuantLinear, VnniLinear)) else "")  # spec.head_bits
+    forward = draft.__dict__.get("forward")
+    native = forward.native_decoder() if isinstance(forward, LeanForward) else None
+    acts = ", int8 activations" if native is not None and native.w4a8 else ""  # spec.act_bits
     info = getattr(draft, "specquant_self_draft", None)
     if info is None:
-        return type(draft).__name__ + head
+        return type(draft).__name__ + acts + head
     weights = f"int{info['bits']} g{info['group_size']}" if info["bits"] else "target weights"
-    return f"self-draft: {info['layers']}/{info['of']} layers, {weights}{head}"
+    return f"self-draft: {info['layers']}/{info['of']} layers, {weights}{acts}{head}"
 

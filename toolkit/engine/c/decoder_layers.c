@@ -13,6 +13,10 @@
  * operations in the same order whatever M is -- so a verify pass over k+1 rows gives each row exactly the answer
  * one-row decoding gives, and speculative greedy output is token-identical to the target alone.
  *
+ * A draft's stack (spec.act_bits=8) runs its products on the w4a8 kernel instead (vnni_gemm.c: activations rounded
+ * to int8 per group, VNNI dot products): row-independent too, but an approximation of the fp32 product, never a
+ * target's.
+ *
  * Layouts: hidden [M, d] fp32 (updated in place); cos, sin [M, head_dim] (transformers' rotary tables for the rows'
  * positions); each layer's keys and values in [kv_heads, cap, head_dim] fp32 buffers (a ContiguousKVLayer's
  * buffers for batch 1), the new rows written at slots start .. start+M-1. The fused q,k,v product's columns are
@@ -24,6 +28,7 @@
 #include <string.h>
 
 #include "int4_gemm.c"
+#include "vnni_gemm.c"
 
 typedef struct {
     const uint8_t *codes;
@@ -31,6 +36,7 @@ typedef struct {
     const uint8_t *zero;
     const float *bias; /* NULL: none */
     int64_t n, k, g;
+    int64_t w4a8; /* 0: an n8 pack, fp32 activations (int4_gemm.c); 1: a v16 pack, int8 activations (vnni_gemm.c) */
 } sq_q4;
 
 typedef struct {
@@ -44,6 +50,7 @@ typedef struct {
 } sq_dims;
 
 static int q4(const sq_q4 *w, const float *x, int64_t M, float *y) {
+    if (w->w4a8) return sq_w4a8_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
     return sq_int4_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
 }
 
