@@ -89,3 +89,22 @@ def load_library(source: Path, stem: str, flags: list[str], what: str, fallback:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("the %s did not build (%s): %s", what, e, fallback)
         return None
+
+
+def load_kernel(source: Path, stem: str, flags: list[str], what: str, fallback: str, log: logging.Logger,
+                signatures: dict[str, list], self_test, includes: tuple[Path, ...] = ()):
+    """`load_library`, then each named function's ctypes argument types (all return an int status), then
+    `self_test(lib)`: a known product, returning None where the kernel gives it and else why not (a status code:
+    2 means the CPU lacks the instructions the kernel was written for). None, with an info line naming `fallback`,
+    where it fails."""
+    lib = load_library(source, stem, flags, what, fallback, log, includes)
+    if lib is None:
+        return None
+    for name, argtypes in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    problem = self_test(lib)
+    if problem:
+        log.info("the %s is not usable on this CPU (%s): %s", what, problem, fallback)
+        return None
+    return lib

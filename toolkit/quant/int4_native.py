@@ -49,21 +49,18 @@ BLOCK_N = 8  # output channels per block of the n8 layout
 def load(flags: tuple[str, ...] = tuple(FLAGS)):
     """Build (once per source, flags and CPU) and load the library; None, with a warning, where it cannot be built or
     the CPU lacks AVX2 (the function reports it: the caller then keeps torch's int4 kernel)."""
-    lib = cbuild.load_library(SOURCE, "int4-gemm", list(flags), "int4 GEMM kernel",
-                              "int4 layers run torch's int4 kernel (slower on AVX2)", log)
-    if lib is None:
-        return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.sq_int4_linear.argtypes = [p, i64, i64, p, p, p, p, i64, i64, p]
-    lib.sq_int4_linear.restype = ctypes.c_int
+    return cbuild.load_kernel(SOURCE, "int4-gemm", list(flags), "int4 GEMM kernel",
+                              "int4 layers run torch's int4 kernel (slower on AVX2)", log,
+                              {"sq_int4_linear": [p, i64, i64, p, p, p, p, i64, i64, p]}, _self_test)
+
+
+def _self_test(lib) -> str | None:
     x, y = torch.ones(1, 16), torch.empty(1, 8)
     codes, scale, zero = pack(torch.ones(8, 16, dtype=torch.uint8), torch.ones(8, 1), torch.zeros(8, 1), 16)
     rc = lib.sq_int4_linear(x.data_ptr(), 1, 16, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), None, 8, 16,
                             y.data_ptr())
-    if rc or not torch.equal(y, torch.full((1, 8), 16.0)):
-        log.info("the int4 GEMM kernel is not usable on this CPU (rc %d): int4 layers run torch's int4 kernel", rc)
-        return None
-    return lib
+    return None if rc == 0 and torch.equal(y, torch.full((1, 8), 16.0)) else f"rc {rc}"
 
 
 @lru_cache(maxsize=1)

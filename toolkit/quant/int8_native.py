@@ -32,19 +32,16 @@ K_MULTIPLE = 8  # in_features must be a multiple of this (one AVX2 register of c
 
 def load(flags: tuple[str, ...] = tuple(FLAGS)):
     """Build and load the library; None, with a warning, where it cannot be built or the CPU lacks AVX2."""
-    lib = cbuild.load_library(SOURCE, "int8-gemm", list(flags), "int8 GEMM kernel",
-                              "int8 layers run torch's int8 kernel (slower on AVX2)", log)
-    if lib is None:
-        return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.sq_int8_linear.argtypes = [p, i64, i64, p, p, p, i64, p]
-    lib.sq_int8_linear.restype = ctypes.c_int
+    return cbuild.load_kernel(SOURCE, "int8-gemm", list(flags), "int8 GEMM kernel",
+                              "int8 layers run torch's int8 kernel (slower on AVX2)", log,
+                              {"sq_int8_linear": [p, i64, i64, p, p, p, i64, p]}, _self_test)
+
+
+def _self_test(lib) -> str | None:
     x, w, s, y = torch.ones(1, 8), torch.full((2, 8), 3, dtype=torch.int8), torch.full((2,), 0.5), torch.empty(1, 2)
     rc = lib.sq_int8_linear(x.data_ptr(), 1, 8, w.data_ptr(), s.data_ptr(), None, 2, y.data_ptr())
-    if rc or not torch.equal(y, torch.full((1, 2), 12.0)):
-        log.info("the int8 GEMM kernel is not usable on this CPU (rc %d): int8 layers run torch's int8 kernel", rc)
-        return None
-    return lib
+    return None if rc == 0 and torch.equal(y, torch.full((1, 2), 12.0)) else f"rc {rc}"
 
 
 @lru_cache(maxsize=1)

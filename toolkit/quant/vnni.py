@@ -55,23 +55,21 @@ TILE = 4  # blocks a kernel tile reads together (stored together)
 def load(flags: tuple[str, ...] = tuple(FLAGS)):
     """Build (once per source, flags and CPU) and load the library; None where it cannot be built or the CPU lacks
     AVX512-VNNI (the function then returns 2: callers keep the fp32 kernel)."""
-    lib = cbuild.load_library(SOURCE, "vnni-gemm", list(flags), "low-bit x int8 VNNI kernel",
-                              "drafts keep fp32 activations", log)
-    if lib is None:
-        return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for f in (lib.sq_w4a8_linear, lib.sq_w8a8_linear):
-        f.argtypes = [p, i64, i64, p, p, p, p, i64, i64, p]
-        f.restype = ctypes.c_int
+    signature = [p, i64, i64, p, p, p, p, i64, i64, p]
+    return cbuild.load_kernel(SOURCE, "vnni-gemm", list(flags), "low-bit x int8 VNNI kernel",
+                              "drafts keep fp32 activations", log,
+                              {"sq_w4a8_linear": signature, "sq_w8a8_linear": signature}, _self_test)
+
+
+def _self_test(lib) -> str | None:
     x, y = torch.ones(1, 16), torch.empty(1, 16)
     codes, scale, zero = pack(torch.ones(16, 16, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 16)
     rc = lib.sq_w4a8_linear(x.data_ptr(), 1, 16, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), None, 16,
                             16, y.data_ptr())
-    if rc or not torch.allclose(y, torch.full((1, 16), 16.0)):
-        log.info("the low-bit x int8 kernel is not usable on this CPU (rc %d; it needs AVX512-VNNI): drafts keep "
-                 "fp32 activations", rc)
+    if rc == 0 and torch.allclose(y, torch.full((1, 16), 16.0)):
         return None
-    return lib
+    return f"rc {rc}; it needs AVX512-VNNI" if rc == 2 else f"rc {rc}"
 
 
 @lru_cache(maxsize=1)
