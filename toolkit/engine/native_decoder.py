@@ -142,14 +142,14 @@ class NativeDecoder:
         self.dims = dims
         self.max_rows = max_rows
         self.n_layers = n_layers
-        self.w4a8 = 0  # products on the w4a8 kernel (`of(..., activations="int8")`)
+        # products on the w4a8 kernel (`of(..., activations="int8")`)
+        self.w4a8 = sum(q.w4a8 for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
     @classmethod
     def of(cls, model, plans, activations: str = "fp32") -> tuple[NativeDecoder | None, str]:
         """The native stack for `model`'s layer plans, or (None, why not). `activations="int8"` (a draft's stack):
-        the products run the w4a8 kernel where it is available and its layout holds them."""
-        if activations not in ACTIVATIONS:
-            raise ValueError(f"native decoder activations must be one of {ACTIVATIONS}, got {activations!r}")
+        the products run the w4a8 kernel where it is available and its layout holds them (`ACTIVATIONS`, checked
+        by `LeanForward.use_activations`)."""
         from toolkit.engine.lean_forward import Int4N8Pack
 
         if library() is None:
@@ -190,9 +190,7 @@ class NativeDecoder:
         if any(p.input_norm.variance_epsilon != eps or p.post_norm.variance_epsilon != eps for p in plans):
             return None, "norms with different epsilons"
         dims = _Dims(config.hidden_size, heads, kv_heads, head_dim, plans[0].gate_up.sizes[0], 0, eps, attn.scaling)
-        decoder = cls(layers, keep, dims, max_rows, len(plans))
-        decoder.w4a8 = sum(q.w4a8 for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        return decoder, ""
+        return cls(layers, keep, dims, max_rows, len(plans)), ""
 
     def applies(self, hidden: torch.Tensor, attention_mask, cache) -> bool:
         """Whether this call can run natively (see the module docstring); cheap checks only."""

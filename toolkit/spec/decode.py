@@ -136,9 +136,7 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
     slots = capacity(width, new_tokens, k_max, batch)
     target = RaggedBatch(model, make_kv_cache(model, slots, kv), batch, pad_id,
                          getattr(model, "specquant_decode_forward", None))
-    draft.reset(batch, slots, pad_id)
-    if hasattr(draft, "share_target"):  # a self-draft reading the target's keys and values (spec.share_kv)
-        draft.share_target(target)
+    draft.reset(target, slots)
     detok = [Detokenizer(tokenizer, stop_strings) for _ in range(batch)] if (on_token or stop_strings) else None
     stats = SpecStats()
     generated: list[list[int]] = [[] for _ in range(batch)]

@@ -1,6 +1,7 @@
 """Drafts: what proposes tokens for the target to verify. One small interface, three kinds.
 
-    reset(batch, capacity, pad_id)       start a generation of `batch` sequences
+    reset(target, capacity)              start a generation of the sequences of `target` (the target's
+                                         RaggedBatch: its batch size and pad id; a self-draft may read its cache)
     propose(contexts, k, active) -> (tokens, probs)
                                          per row: up to k drafted tokens after the row's context (prompt + every
                                          token emitted so far), and their draft distributions q [n, vocab] (None
@@ -51,7 +52,7 @@ class LookupDraft:
         self.ngram_max, self.ngram_min, self.scale_by_match = ngram_max, ngram_min, scale_by_match
         self.agree_tokens, self.doubt_k = agree_tokens, doubt_k
 
-    def reset(self, batch: int, capacity: int, pad_id: int) -> None:
+    def reset(self, target: RaggedBatch, capacity: int) -> None:
         pass
 
     def match(self, context: list[int]) -> tuple[int, int] | None:
@@ -152,29 +153,23 @@ class ModelDraft:
         self.target_vocab, self.min_confidence, self.generator = target_vocab, min_confidence, generator
         self.state: RaggedBatch | None = None
         self.share_kv = share_kv
-        self.target: RaggedBatch | None = None  # the target's batch whose cache this draft reads (`share_target`)
+        self.target: RaggedBatch | None = None  # the target's batch whose cache this draft reads (`share_kv`)
 
-    def reset(self, batch: int, capacity: int, pad_id: int) -> None:
+    def reset(self, target: RaggedBatch, capacity: int) -> None:
+        from toolkit.engine.kv_cache import ContiguousKVCache
         from toolkit.kv import make_kv_cache
 
         cache = make_kv_cache(self.model, capacity, self.kv)
-        self.state = RaggedBatch(self.model, cache, batch, pad_id,
+        batch = target.batch
+        self.state = RaggedBatch(self.model, cache, batch, target.pad_id,
                                  getattr(self.model, "specquant_decode_forward", None))
         self.fed = [0] * batch  # per row: context tokens already in the draft's cache
         self.synced = 0  # with a shared cache: slots holding the target's keys and values
-        self.target = None
+        # share_kv: read the target's cache where both caches can (see the class docstring)
+        shares = (self.share_kv and batch == 1 and type(cache) is ContiguousKVCache
+                  and type(target.cache) is ContiguousKVCache and len(cache.layers) <= len(target.cache.layers))
+        self.target = target if shares else None
         self._round = None
-
-    def share_target(self, target: RaggedBatch) -> bool:
-        """With `share_kv`: read the verified tokens' keys and values from `target`'s cache from now on, where both
-        caches can (see the class docstring). Returns whether it does."""
-        from toolkit.engine.kv_cache import ContiguousKVCache
-
-        mine, theirs = self.state.cache, target.cache
-        if (self.share_kv and self.state.batch == 1 and target.batch == 1 and type(mine) is ContiguousKVCache
-                and type(theirs) is ContiguousKVCache and len(mine.layers) <= len(theirs.layers)):
-            self.target = target
-        return self.target is not None
 
     def _sync(self) -> None:
         """Make the draft's cache the target's for every verified token: drop the draft's own keys and values past

@@ -113,9 +113,11 @@ def describe(draft) -> str:
     from toolkit.quant.qlinear import QuantLinear
     from toolkit.quant.vnni import VnniLinear
 
-    head = draft.get_output_embeddings()
-    head = (f", int{head.bits} head" + (" (int8 activations)" if isinstance(head, VnniLinear) else "")
-            if isinstance(head, (QuantLinear, VnniLinear)) else "")  # spec.head_bits
+    head = draft.get_output_embeddings()  # spec.head_bits: a QuantLinear, or a VnniLinear with spec.act_bits=8
+    if isinstance(head, VnniLinear):
+        head = f", int{head.bits} head (int8 activations)"
+    else:
+        head = f", int{head.bits} head" if isinstance(head, QuantLinear) else ""
     forward = draft.__dict__.get("forward")
     native = forward.native_decoder() if isinstance(forward, LeanForward) else None
     acts = ", int8 activations" if native is not None and native.w4a8 else ""  # spec.act_bits
