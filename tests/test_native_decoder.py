@@ -117,17 +117,26 @@ def test_the_kv_cache_holds_what_the_torch_path_would_have_written(int4_model):
 
 @pytest.mark.skipif(not vnni.available(), reason="int8 activations need the VNNI kernel (AVX512-VNNI)")
 def test_int8_activations_approximate_the_fp32_stack_and_keep_rows_independent(int4_model):
-    """A draft's stack (spec.act_bits=8): every product on the w4a8 kernel, close to the fp32 stack but not it, and a
+    """A draft's stack (spec.act_bits=8): every product on the w4a8 kernel, close to the fp32 stack but not it, the
+    prompt included (an empty cache is filled by the C stack too, keys and values close to the torch path's), and a
     row's logits still do not depend on the rows beside it."""
     exact = script(int4_model.forward, int4_model)
     int4_model.forward.use_activations("int8")
     native = int4_model.forward.native_decoder()
     assert native is not None and native.w4a8 == 4 * int4_model.config.num_hidden_layers
     approx = script(int4_model.forward, int4_model)
-    assert torch.equal(approx[0], exact[0])  # the prompt fills an empty cache through the torch path
-    for a, b in zip(approx[1:], exact[1:]):
+    for a, b in zip(approx, exact):  # 10%: the prompt's keys and values are approximate too, and errors compound
         assert not torch.equal(a, b)
-        assert (a - b).abs().max() <= 0.05 * b.abs().max(), (a - b).abs().max() / b.abs().max()
+        assert (a - b).abs().max() <= 0.1 * b.abs().max(), (a - b).abs().max() / b.abs().max()
+    ids = torch.randint(4, int4_model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    caches = [ContiguousKVCache.for_model(int4_model, 64) for _ in range(2)]
+    with torch.inference_mode():
+        int4_model(input_ids=ids, cache=caches[0], use_cache=True)  # 40 rows: above the fp32 packs' own limit too
+        LeanForward(int4_model, native=False)(input_ids=ids, cache=caches[1], use_cache=True)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert a.length == b.length == 40 and not torch.equal(a.keys, b.keys)
+        assert (a.keys - b.keys).abs().max() <= 0.05 * b.keys.abs().max()
+        assert (a.values - b.values).abs().max() <= 0.05 * b.values.abs().max()
     test_a_rows_logits_do_not_depend_on_the_rows_beside_it(int4_model)
     with pytest.raises(ValueError, match="activations"):
         int4_model.forward.use_activations("int4")

@@ -27,10 +27,15 @@ class ContiguousKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, k_dim = key_states.shape
-        kw = dict(dtype=key_states.dtype, device=key_states.device)
-        self.device = key_states.device
+        self.allocate(batch, heads, k_dim, value_states.shape[-1], key_states.dtype, key_states.device)
+
+    def allocate(self, batch: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """The buffers, before the first `update` (the native decoder writes a prompt's keys and values itself)."""
+        kw = dict(dtype=dtype, device=device)
+        self.device = device
         self.key_buffer = torch.empty(batch, heads, self.max_length, k_dim, **kw)
-        self.value_buffer = torch.empty(batch, heads, self.max_length, value_states.shape[-1], **kw)
+        self.value_buffer = torch.empty(batch, heads, self.max_length, v_dim, **kw)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
