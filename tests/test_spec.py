@@ -468,3 +468,32 @@ def test_draft_activation_bits_other_than_8_are_a_clear_error(llama_and_gemma):
     llama, _, tok = llama_and_gemma
     with pytest.raises(InputError, match="act_bits"):
         build_draft({"kind": "self", "bits": 4, "group_size": 32, "act_bits": 4}, llama, tok)
+
+
+def test_the_assisted_peer_of_a_quantized_draft_checkpoint_runs_the_float_model_it_was_made_from(
+        tiny_llama_dir, tiny_tokenizer, tmp_path, monkeypatch):
+    """spec=draft with one of our int4 checkpoints: transformers' assisted generation gets the same pair as it can
+    run it, the checkpoint's float source (from its manifest), not no peer at all."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    import toolkit.bench.peers as peers
+    from toolkit.bench.spec import _peer
+    from toolkit.quant.checkpoint import save_quantized
+    from toolkit.quant.model_quant import QuantRecipe, quantize_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    qsd = quantize_model(model, QuantRecipe(method="rtn", bits=4, group_size=32))
+    ck = save_quantized(tmp_path / "ck", model, qsd, tokenizer=tiny_tokenizer, source=str(tiny_llama_dir))
+    seen = {}
+
+    def fake_peer(target, assistant, *args, **kwargs):
+        seen["assistant"] = assistant
+        return {"identical_outputs": True}
+
+    monkeypatch.setattr(peers, "assisted_draft_peer", fake_peer)
+    spec_cfg = OmegaConf.create({"kind": "draft", "model": str(ck)})
+    result = _peer(str(tiny_llama_dir), spec_cfg, [[20, 21, 22]], 4, DraftLength(), 1, 0, "fp32")
+    assert result["peer_assisted"]["draft"] == str(tiny_llama_dir)
+    assert type(seen["assistant"]).__name__ == "LlamaForCausalLM"
+    assert not any("Quant" in type(m).__name__ for m in seen["assistant"].modules())  # the float model

@@ -134,13 +134,19 @@ def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_token
 def _peer(model_name: str, spec_cfg, prompt_ids, new_tokens: int, length: DraftLength, repeats: int, warmup: int,
           baseline_dtype: str) -> dict:
     """{"peer_assisted": ...}: transformers' assisted generation with the same kind of draft on the float models
-    (toolkit.bench.peers), for spec=lookup and for spec=draft with a float draft model; {} otherwise."""
+    (toolkit.bench.peers), for spec=lookup and for spec=draft; {} otherwise. A draft that is one of our quantized
+    checkpoints is run by the peer as the float model it was made from (its manifest's `source`): the same pair,
+    as transformers can run it; a foreign GPTQ/AWQ draft gets no peer."""
     from toolkit.bench.peers import TRANSFORMERS_LOOKUP_TOKENS, assisted_draft_peer, assisted_lookup_peer
     from toolkit.engine.precision import prepare_model, resolve_precision
     from toolkit.models import load_model
+    from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 
     draft_name = str(spec_cfg.get("model") or "") if spec_cfg.kind == "draft" else ""
-    if spec_cfg.kind not in ("lookup", "draft") or (spec_cfg.kind == "draft" and is_quantized_model(draft_name)):
+    if draft_name and is_quantized_checkpoint(draft_name):
+        draft_name = str(read_manifest(draft_name).get("source") or "")
+    if spec_cfg.kind not in ("lookup", "draft") or (spec_cfg.kind == "draft"
+                                                    and (not draft_name or is_quantized_model(draft_name))):
         return {}
 
     def reference(name):
