@@ -193,6 +193,32 @@ def test_scale_search_loss_through_the_gram_matrix_is_the_output_error():
     torch.testing.assert_close(s_gram, s_direct)
 
 
+@pytest.mark.parametrize("seed", [3, 4, 5, 6])
+def test_coarse_to_fine_alpha_search_tries_fewer_alphas_and_keeps_the_grids_best_here(seed):
+    """coarse_step=2: every other alpha, then the best one's grid neighbours: 11-12 losses instead of 20, and on
+    these outlier inputs (a loss curve with one broad minimum) the full grid's alpha and scales."""
+    torch.manual_seed(seed)
+    x = torch.randn(600, 64) * torch.linspace(0.1, 8, 64).pow(1 + seed / 4)
+    lins = [nn.Linear(64, 48, bias=False), nn.Linear(64, 16, bias=False)]
+    calls = []
+
+    def direct(xs, ws):
+        calls.append(1)
+        return torch.cat([xs @ w.t() for w in ws], dim=-1)
+
+    results = {}
+    for step in (1, 2):
+        calls.clear()
+        results[step] = search_scales(x, lins, CONFIG, AWQOptions(coarse_step=step), x_search=x[:256],
+                                      inspect=direct)
+        results[step] += (len(calls) - 1,)  # candidate losses (one call is the float reference)
+    assert results[1][3] == 20 and 11 <= results[2][3] <= 12
+    assert results[2][1] == results[1][1] and results[2][2] == results[1][2]
+    torch.testing.assert_close(results[2][0], results[1][0])
+    with pytest.raises(ValueError, match="coarse_step"):
+        AWQOptions(coarse_step=0)
+
+
 def test_clip_search_through_group_grams_picks_the_directly_measured_best():
     """The clip search scores each shrink by Δ G_g Δᵀ; running the tokens through every candidate (AutoAWQ's
     way, written out here) gives the same errors, so the same maxima — also with a ragged last group."""

@@ -43,6 +43,11 @@ class AWQOptions:
     """Every knob of the paper / AutoAWQ, by name."""
 
     grid: int = 20  # alphas tried: i / grid for i in range(grid)  (AutoAWQ n_grid)
+    # 1: every alpha of the grid (AutoAWQ). s > 1: every s-th alpha first, then the grid alphas within s - 1 of the
+    # best of those (12 of 20 losses at s = 2). A loss curve over alpha need not have a single minimum (40 of
+    # SmolLM2's 90 do not), but its minimum is broad: at s = 2 the search picked the full grid's alpha in 89 of 90
+    # groups (the other: +0.4% loss), README "AWQ's coarse-to-fine alpha search"
+    coarse_step: int = 1
     duo_scaling: bool = False  # False: the paper's s = mean|x|^a; True: AutoAWQ's mean|x|^a / mean|w|^(1-a)
     clip: bool = True  # run the clip search after scaling
     clip_grid: int = 20  # shrink steps of max|w| (AutoAWQ n_grid in _compute_best_clip)
@@ -54,8 +59,9 @@ class AWQOptions:
     def __post_init__(self):
         if self.mlp_dtype not in ("fp32", "bf16"):
             raise ValueError(f"AWQ mlp_dtype must be fp32 or bf16, got {self.mlp_dtype!r}")
-        if self.grid < 1 or self.clip_grid < 1 or self.clip_tokens < 1 or self.search_samples < 1:
-            raise ValueError("AWQ grid, clip_grid, clip_tokens and search_samples must be >= 1")
+        if (self.grid < 1 or self.clip_grid < 1 or self.clip_tokens < 1 or self.search_samples < 1
+                or self.coarse_step < 1):
+            raise ValueError("AWQ grid, coarse_step, clip_grid, clip_tokens and search_samples must be >= 1")
         if not 0.0 <= self.max_shrink < 1.0:
             raise ValueError(f"AWQ max_shrink must be in [0, 1), got {self.max_shrink}")
 
@@ -157,8 +163,11 @@ def search_scales(x: torch.Tensor | None, linears: list[nn.Linear], config: Quan
             delta = torch.cat(ws) - w_all
             return float(((delta @ gram) * delta).sum()) / denominator
 
-    best = (None, -1.0, float("inf"))
-    for i in range(options.grid):
+    tried: dict[int, tuple[torch.Tensor, float]] = {}  # grid index -> (s, loss)
+
+    def try_alpha(i: int) -> None:
+        if i in tried:
+            return
         alpha = i / options.grid
         if options.duo_scaling:
             s = x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)
@@ -166,12 +175,22 @@ def search_scales(x: torch.Tensor | None, linears: list[nn.Linear], config: Quan
             s = x_mean.pow(alpha)
         s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        loss = loss_of([fake_quantize(w * s, config) / s for w in weights])
-        if loss < best[2]:
-            best = (s, alpha, loss)
-    if best[0] is None:  # every loss NaN: no scaling is the honest fallback
+        tried[i] = (s, loss_of([fake_quantize(w * s, config) / s for w in weights]))
+
+    def best_index() -> int | None:  # the lowest loss, the smaller alpha on ties; None when every loss is NaN
+        finite = [(loss, i) for i, (_, loss) in tried.items() if loss == loss]
+        return min(finite)[1] if finite else None
+
+    step = options.coarse_step
+    for i in range(0, options.grid, step):
+        try_alpha(i)
+    if step > 1 and (coarse := best_index()) is not None:
+        for i in range(max(0, coarse - step + 1), min(options.grid, coarse + step)):
+            try_alpha(i)
+    best = best_index()
+    if best is None:  # every loss NaN: no scaling is the honest fallback
         return torch.ones_like(x_mean), 0.0, float("nan")
-    return best
+    return tried[best][0], best / options.grid, tried[best][1]
 
 
 # ------------------------------------------------------------------------------------------- folding

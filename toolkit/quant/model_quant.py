@@ -69,6 +69,7 @@ class QuantRecipe:
     calib_batch: int = 0
     # AWQ's knobs (toolkit.quant.awq.AWQOptions, AutoAWQ names in comments); other methods ignore them
     awq_grid: int = 20  # n_grid: alphas i/grid tried in the scale search
+    awq_coarse_step: int = 1  # 1: every alpha; s > 1: every s-th, then the best one's neighbours (AWQOptions)
     awq_duo_scaling: bool = False  # AutoAWQ duo_scaling: s = |x|^a / |w|^(1-a) instead of the paper's |x|^a
     awq_clip: bool = True  # apply_clip: run the weight clip search
     awq_clip_grid: int = 20  # shrink steps of the clip search
