@@ -264,11 +264,35 @@ def test_sampled_speculation_matches_target_only_sampling_on_a_model(llama_and_g
                                                                        params),
                                DraftLength(2), params, stop_tokens=set())
     assert out.stats.accepted > 0 and out.stats.accepted < out.stats.proposed  # both branches of the rule ran
-    samples = [tuple(s.token_ids) for s in out.sequences]
+    _assert_target_distribution([tuple(s.token_ids) for s in out.sequences], llama, prompt, params)
+
+
+def test_sampled_speculation_with_the_targets_keys_and_values_matches_target_only_sampling(llama_and_gemma):
+    """The same check for the spec=self default draft, which reads the target's cache (`share_kv`; one sequence
+    at a time, so each sample is its own generation, all drawing from one seeded generator)."""
+    llama, _, tok = llama_and_gemma
+    params = SamplingParams(temperature=1.5, top_k=2, seed=0)
+    prompt = tok(_prompts(3)[2]).input_ids
+    draft = build_draft({"kind": "self", "bits": 4, "group_size": 32, "share_kv": True, "head_bits": 8},
+                        llama, tok, sampling=params)
+    generator = torch.Generator().manual_seed(0)
+    samples, proposed, accepted = [], 0, 0
+    for _ in range(1200):
+        out = speculative_generate(llama, tok, [prompt], 3, draft, DraftLength(2), params, stop_tokens=set(),
+                                   generator=generator)
+        samples.append(tuple(out.sequences[0].token_ids))
+        proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
+    assert draft.target is not None  # the draft really read the target's cache
+    assert 0 < accepted < proposed
+    _assert_target_distribution(samples, llama, prompt, params)
+
+
+def _assert_target_distribution(samples, model, prompt, params):
+    """Chi-square of three-token samples against the exact distribution of the target sampled alone."""
     exact = {}
     with torch.inference_mode():
         def dist(ids):
-            return probabilities(llama(torch.tensor([ids])).logits[0, -1], params)
+            return probabilities(model(torch.tensor([ids])).logits[0, -1], params)
         p1 = dist(prompt)
         for t1 in p1.nonzero().flatten().tolist():
             p2 = dist(prompt + [t1])
