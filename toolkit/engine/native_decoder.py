@@ -15,7 +15,7 @@ When it runs (`NativeDecoder.applies`; anything else takes the lean forward's to
   already holding the prompt (the quantized and paged caches take the torch path), fewer new rows than the
   packs' `max_rows` (decode, verify passes, short prompts). A stack whose products all run w4a8 (below) also runs
   the prompt into an empty cache, up to `W4A8_MAX_ROWS` rows: there the integer kernel beats dequantize + fp32
-  F.linear at any row count (a 126-token prompt of Qwen2.5-Coder-0.5B int4: ~0.23 s against ~1.3 s).
+  F.linear at any row count (a 126-token prompt of Qwen2.5-Coder-0.5B int4: 0.24-0.27 s against 1.29-1.34 s).
 
 A draft's stack (`spec.act_bits=8`: `LeanForward.native_activations = "int8"`) runs its products on the w4a8
 kernel instead (`toolkit.quant.vnni`: activations rounded to int8 per group, AVX512-VNNI dot products; the v16
@@ -150,7 +150,8 @@ class NativeDecoder:
         # the fp32 int4 GEMM loses to dequantize + F.linear from the packs' max_rows on; the w4a8 kernel (integer
         # dot products, 4x fp32's multiply-adds per instruction) wins at any row count, so a stack made only of
         # w4a8 products also runs a draft's prompt (W4A8_MAX_ROWS bounds its per-call scratch: scores H x M x M)
-        self.max_rows = W4A8_MAX_ROWS if self.w4a8 == 4 * n_layers else max_rows
+        self.runs_prompts = self.w4a8 == 4 * n_layers
+        self.max_rows = W4A8_MAX_ROWS if self.runs_prompts else max_rows
 
     @classmethod
     def of(cls, model, plans, activations: str = "fp32") -> tuple[NativeDecoder | None, str]:
@@ -211,7 +212,7 @@ class NativeDecoder:
             return False
         first = layers[0]
         if not first.is_initialized:  # an empty cache: a w4a8 stack runs the prompt too (see __init__)
-            return self.max_rows == W4A8_MAX_ROWS and rows <= first.max_length
+            return self.runs_prompts and rows <= first.max_length
         if (first.key_buffer.dtype != torch.float32 or first.key_buffer.shape[0] != 1
                 or not first.key_buffer.is_contiguous()):
             return False
@@ -224,9 +225,9 @@ class NativeDecoder:
         head_dim] for the rows' positions. Writes the rows' keys and values at the cache's next slots and advances
         it."""
         layers = cache.layers[:self.n_layers]
+        d = self.dims
         for layer in layers:
-            if not layer.is_initialized:
-                d = self.dims
+            if not layer.is_initialized:  # a prompt into an empty cache (`runs_prompts`)
                 layer.allocate(1, d.kv_heads, d.head_dim, d.head_dim, torch.float32, hidden.device)
         start = layers[0].length
         if any(layer.length != start or type(layer) is not type(layers[0]) for layer in layers):

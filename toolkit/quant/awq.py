@@ -44,7 +44,7 @@ class AWQOptions:
 
     grid: int = 20  # alphas tried: i / grid for i in range(grid)  (AutoAWQ n_grid)
     # 1: every alpha of the grid (AutoAWQ). s > 1: every s-th alpha first, then the grid alphas within s - 1 of the
-    # best of those (12 of 20 losses at s = 2). A loss curve over alpha need not have a single minimum (40 of
+    # best of those (11-12 of 20 losses at s = 2). A loss curve over alpha need not have a single minimum (40 of
     # SmolLM2's 90 do not), but its minimum is broad: at s = 2 the search picked the full grid's alpha in 89 of 90
     # groups (the other: +0.4% loss), README "AWQ's coarse-to-fine alpha search"
     coarse_step: int = 1
