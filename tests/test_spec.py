@@ -113,7 +113,8 @@ def test_quantized_kv_caches_roll_back_exactly(llama_and_gemma):
     for kind in KINDS:
         reference = _ids(generate(llama, tok, prompts, 16, stop_tokens=set(), kv=kind))
         for make in (LookupDraft, lambda: LookupDraft(scale_by_match=True),
-                     lambda kind=kind: ModelDraft(build_self_draft(llama, bits=None), kv=kind)):
+                     lambda kind=kind: ModelDraft(build_self_draft(llama, bits=None), kv=kind),
+                     lambda: build_draft({"kind": "self", "bits": 4, "group_size": 32, "share_kv": True}, llama, tok)):
             alone = [speculative_generate(llama, tok, [p], 16, make(), DraftLength(3), stop_tokens=set(),
                                           kv=kind).sequences[0].token_ids for p in prompts]
             assert alone == reference, kind
@@ -486,6 +487,39 @@ def test_a_shared_kv_draft_holds_the_targets_keys_and_values_for_every_verified_
     assert own.target is None
     speculative_generate(llama, tok, _prompts(2), 4, draft, DraftLength(3), stop_tokens=set())
     assert draft.target is None  # two sequences: the draft keeps its own cache
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_shared_kv_draft_reads_a_quantized_target_cache_as_the_targets_attention_does(llama_and_gemma, bits):
+    """With kv=int8/int4 the target's cache is quantized: the shared draft's full-precision cache holds, up to the
+    last sync, exactly what the target's attention reads (dequantized groups, the full-precision window, sinks).
+    (Greedy identity on quantized caches: test_quantized_kv_caches_roll_back_exactly. Not asserted here: with a
+    window this short a flush falls inside verify passes, README "Speculative decoding on a quantized cache".)"""
+    llama, _, tok = llama_and_gemma
+    spec = {"kind": "self", "bits": 4, "group_size": 32, "share_kv": True}
+    # a short full-precision window and small groups: most of these short prompts' tokens are read back quantized
+    from omegaconf import OmegaConf
+
+    kind = OmegaConf.create({"kind": f"int{bits}", "bits": bits, "group_size": 8, "residual": 8})
+    for prompt in _prompts(3):
+        draft = build_draft(spec, llama, tok)
+        synced, sync = [], draft._sync
+
+        def checked_sync():  # right after each sync: the draft's cache against the target's current reading
+            sync()
+            n = draft.synced
+            for mine, theirs in zip(draft.state.cache.layers, draft.target.cache.layers):
+                keys, values = theirs.attention_view()
+                assert torch.equal(mine.key_buffer[:, :, :n], keys[:, :, :n])
+                assert torch.equal(mine.value_buffer[:, :, :n], values[:, :, :n])
+            synced.append((n, draft.target.cache.layers[0].quantized))
+
+        draft._sync = checked_sync
+        out = speculative_generate(llama, tok, [prompt], 24, draft, DraftLength(3), stop_tokens=set(), kv=kind)
+        assert out.stats.rounds > 1 and len(synced) == out.stats.rounds
+        assert type(draft.target.cache).__name__ == "QuantizedKVCache"
+        n, quantized = synced[-1]
+        assert len(tok(prompt).input_ids) < n and quantized > n // 2  # most of what the draft read was quantized
 
 
 def test_draft_activation_bits_other_than_8_are_a_clear_error(llama_and_gemma):

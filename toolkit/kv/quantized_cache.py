@@ -269,6 +269,12 @@ class QuantizedKVLayer(CacheLayerMixin):
             keys[:, :, :n], values[:, :, :n] = self.k_sink[:, :, :n], self.v_sink[:, :, :n]
         return keys, values
 
+    def attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached token's key and value as attention reads them (dequantized; the full-precision window and
+        sinks as they are), [B, H, length, D] views of the workspace, valid until the cache's next `update`."""
+        none = self.k_res[:, :, :0]
+        return self._read(none, none, False)
+
     def _append(self, k_new, v_new):
         new_length = self.length + k_new.shape[-2]
         cfg = self.cfg

@@ -137,7 +137,8 @@ class ModelDraft:
     in the draft's cache with the target's own keys and values, copied from the target's cache each round, so the
     draft never runs the prompt and computes keys and values only for the tokens it drafts (and the round's first,
     the target's correction). Only a draft whose layer i is the target's layer i at another precision can read
-    them (the self-draft); one sequence with full-precision caches on both sides, else the draft keeps its own."""
+    them (the self-draft); one sequence, the draft's cache full precision, the target's full precision or quantized
+    (`kv=int8/int4`: read dequantized, as the target's attention reads it); else the draft keeps its own."""
 
     deterministic = False
 
@@ -158,6 +159,7 @@ class ModelDraft:
     def reset(self, target: RaggedBatch, capacity: int) -> None:
         from toolkit.engine.kv_cache import ContiguousKVCache
         from toolkit.kv import make_kv_cache
+        from toolkit.kv.quantized_cache import QuantizedKVCache
 
         cache = make_kv_cache(self.model, capacity, self.kv)
         batch = target.batch
@@ -165,9 +167,11 @@ class ModelDraft:
                                  getattr(self.model, "specquant_decode_forward", None))
         self.fed = [0] * batch  # per row: context tokens already in the draft's cache
         self.synced = 0  # with a shared cache: slots holding the target's keys and values
+        self.settled = 0  # of those, slots the target reads the same way for good (see `_sync`)
         # share_kv: read the target's cache where both caches can (see the class docstring)
         shares = (self.share_kv and batch == 1 and type(cache) is ContiguousKVCache
-                  and type(target.cache) is ContiguousKVCache and len(cache.layers) <= len(target.cache.layers))
+                  and type(target.cache) in (ContiguousKVCache, QuantizedKVCache)
+                  and len(cache.layers) <= len(target.cache.layers))
         self.target = target if shares else None
         self._round = None
 
@@ -175,16 +179,21 @@ class ModelDraft:
         """Make the draft's cache the target's for every verified token: drop the draft's own keys and values past
         what came from the target, copy the target's slots after it."""
         state, source = self.state, self.target.cache
-        start, end = self.synced, source.length
+        # a quantized cache reads a token back differently once it leaves the full-precision window, so the tokens
+        # synced after its last final reading (its layers' `quantized`, which only grows with the length) are
+        # copied again
+        start, end = min(self.synced, self.settled), source.length
         state.cache.crop(start)
         for mine, theirs in zip(state.cache.layers, source.layers):
+            keys, values = theirs.attention_view()  # a quantized cache's dequantized, as the target reads it
             if not mine.is_initialized:
-                mine.lazy_initialization(theirs.key_buffer, theirs.value_buffer)
-            mine.key_buffer[:, :, start:end].copy_(theirs.key_buffer[:, :, start:end])
-            mine.value_buffer[:, :, start:end].copy_(theirs.value_buffer[:, :, start:end])
+                mine.lazy_initialization(keys, values)
+            mine.key_buffer[:, :, start:end].copy_(keys[:, :, start:end])
+            mine.value_buffer[:, :, start:end].copy_(values[:, :, start:end])
             mine.advance(end - start)
         state.reset_to(end)
         self.fed[0] = self.synced = end
+        self.settled = min(getattr(layer, "quantized", end) for layer in source.layers)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (checkpoints pad embedding tables to different sizes; the
