@@ -518,3 +518,27 @@ def test_pre_rope_reads_the_models_own_rotary_frequencies(tiny_llama_dir, tiny_g
     ref = _run(model, ContiguousKVCache.for_model(model, 64), ids, [40])
     got = _run(model, cache, ids, [20, 1, 1, 18])
     assert got.shape == ref.shape and torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("kind,extra", [("int8", {}), ("int4", {}), ("int2", {}), ("int8", {"hierarchical": True}),
+                                        ("int4", {"sink": 0}), ("int4", {"sink": 4}), ("int4", {"dequant": "torch"}),
+                                        ("int4", {"dequant": "cached"})])
+def test_attention_view_from_any_slot_is_what_the_whole_read_gives_there(kind, extra):
+    """`attention_view(start)` reads only slots start.. (a shared-KV draft's new slots) and gives the values the
+    whole read (`attention_view()`, attention's own `_read`) has there, bit for bit, across groups, staged keys,
+    the full-precision window and sinks (int2: pre-RoPE keys rotated back too)."""
+    cfg = quant_config({"kind": kind, "residual": 8, "group_size": 16, **extra})  # G > 8: keys wait staged
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, 2, 60, 16, generator=gen) * 2, torch.randn(2, 2, 60, 16, generator=gen)
+    cache = _qc(2, 64, cfg)
+    staged = []
+    for chunk in (20, 3, 1, 9, 13):
+        _feed(cache, k, v, [chunk], start=cache.length)
+        staged.append(cache.layers[0].v_quantized > cache.layers[0].quantized)
+        for layer in cache.layers:
+            whole = [t.clone() for t in layer.attention_view()]
+            assert whole[0].shape[2] == layer.length
+            for start in range(0, layer.length):
+                part = layer.attention_view(start)
+                assert all(torch.equal(p, w[:, :, start:]) for p, w in zip(part, whole)), (start, layer.length)
+    assert cache.layers[0].quantized >= 24 and any(staged)  # groups and staged keys were both read

@@ -489,8 +489,8 @@ def test_a_shared_kv_draft_holds_the_targets_keys_and_values_for_every_verified_
     assert draft.target is None  # two sequences: the draft keeps its own cache
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_a_shared_kv_draft_reads_a_quantized_target_cache_as_the_targets_attention_does(llama_and_gemma, bits):
+@pytest.mark.parametrize("bits,group", [(8, 8), (4, 8), (4, 16)])  # G = 16: keys wait staged, groups form apart
+def test_a_shared_kv_draft_reads_a_quantized_target_cache_as_the_targets_attention_does(llama_and_gemma, bits, group):
     """With kv=int8/int4 the target's cache is quantized: the shared draft's full-precision cache holds, up to the
     last sync, exactly what the target's attention reads (dequantized groups, the full-precision window, sinks).
     (Greedy identity on quantized caches: test_quantized_kv_caches_roll_back_exactly. Not asserted here: with a
@@ -500,7 +500,7 @@ def test_a_shared_kv_draft_reads_a_quantized_target_cache_as_the_targets_attenti
     # a short full-precision window and small groups: most of these short prompts' tokens are read back quantized
     from omegaconf import OmegaConf
 
-    kind = OmegaConf.create({"kind": f"int{bits}", "bits": bits, "group_size": 8, "residual": 8})
+    kind = OmegaConf.create({"kind": f"int{bits}", "bits": bits, "group_size": group, "residual": 8})
     for prompt in _prompts(3):
         draft = build_draft(spec, llama, tok)
         synced, sync = [], draft._sync

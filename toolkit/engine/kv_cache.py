@@ -57,10 +57,10 @@ class ContiguousKVLayer(CacheLayerMixin):
         self.keys = self.key_buffer[:, :, :end]
         self.values = self.value_buffer[:, :, :end]
 
-    def attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [batch, heads, >= length, dim] as attention reads them (here the buffers themselves;
-        a shared-KV draft copies its slots from them)."""
-        return self.key_buffer, self.value_buffer
+    def attention_view(self, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots start.. as attention reads them, [batch, heads, >= length - start, dim] (here
+        views of the buffers themselves; a shared-KV draft copies its slots from them)."""
+        return self.key_buffer[:, :, start:], self.value_buffer[:, :, start:]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Called before `update` for this step: attention will see the cached prefix plus the new queries.

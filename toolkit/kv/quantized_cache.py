@@ -269,11 +269,34 @@ class QuantizedKVLayer(CacheLayerMixin):
             keys[:, :, :n], values[:, :, :n] = self.k_sink[:, :, :n], self.v_sink[:, :, :n]
         return keys, values
 
-    def attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every cached token's key and value as attention reads them (dequantized; the full-precision window and
-        sinks as they are), [B, H, length, D] views of the workspace, valid until the cache's next `update`."""
-        none = self.k_res[:, :, :0]
-        return self._read(none, none, False)
+    def attention_view(self, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached tokens start.. as attention reads them (dequantized; the full-precision window and sinks as they
+        are), [B, H, length - start, D]. From 0: views of the workspace (`_read`), valid until the cache's next
+        `update`. From later: new tensors, only that range read (a shared-KV draft's few new slots a round), the
+        same values."""
+        if start == 0:
+            none = self.k_res[:, :, :0]
+            return self._read(none, none, False)
+        Tk, Tv, end, G = self.quantized, self.v_quantized, self.length, self.cfg.group_size
+        B, H, _, D = self.k_res.shape
+        keys = torch.empty(B, H, end - start, D, dtype=self.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        first = max(start, Tv)  # the full-precision window
+        keys[:, :, first - start:] = self.k_res[:, :, first - Tv:end - Tv]
+        values[:, :, first - start:] = self.v_res[:, :, first - Tv:end - Tv]
+        if Tv > start:
+            self.dequantize_values(start, Tv, out=values[:, :, :Tv - start])
+        first = max(start, Tk)  # staged keys
+        if Tv > first:
+            self._read_staged(first, Tv, keys[:, :, first - start:Tv - start])
+        if Tk > start:  # grouped keys: whole groups are read, the range kept
+            group_start = start // G * G
+            keys[:, :, :Tk - start] = self.dequantize_keys(group_start, Tk)[:, :, start - group_start:]
+        sink = min(self.cfg.sink, Tv)
+        if sink > start:
+            keys[:, :, :sink - start] = self.k_sink[:, :, start:sink]
+            values[:, :, :sink - start] = self.v_sink[:, :, start:sink]
+        return keys, values
 
     def _append(self, k_new, v_new):
         new_length = self.length + k_new.shape[-2]

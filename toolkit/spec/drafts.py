@@ -126,6 +126,13 @@ def vocab_mismatch(target_tokenizer, draft_tokenizer) -> str | None:
     return None
 
 
+def _reading_bounds(cache, length: int) -> tuple[int, int]:
+    """Below which slot a cache reads keys from groups and values quantized: a quantized cache's `quantized` and
+    `v_quantized` (the same in every layer); a full-precision cache reads every slot as written (`length`)."""
+    first = cache.layers[0]
+    return getattr(first, "quantized", length), getattr(first, "v_quantized", length)
+
+
 class ModelDraft:
     """Any causal LM that shares the target's tokenizer drafts k tokens, one forward each, over its own KV cache
     (made by `toolkit.kv.make_kv_cache`, so a quantized cache works too) and rolls it back on rejection.
@@ -167,7 +174,7 @@ class ModelDraft:
                                  getattr(self.model, "specquant_decode_forward", None))
         self.fed = [0] * batch  # per row: context tokens already in the draft's cache
         self.synced = 0  # with a shared cache: slots holding the target's keys and values
-        self.settled = 0  # of those, slots the target reads the same way for good (see `_sync`)
+        self.readings = (0, 0)  # the target cache's quantized-key and -value bounds at the last sync (`_sync`)
         # share_kv: read the target's cache where both caches can (see the class docstring)
         shares = (self.share_kv and batch == 1 and type(cache) is ContiguousKVCache
                   and type(target.cache) in (ContiguousKVCache, QuantizedKVCache)
@@ -179,21 +186,26 @@ class ModelDraft:
         """Make the draft's cache the target's for every verified token: drop the draft's own keys and values past
         what came from the target, copy the target's slots after it."""
         state, source = self.state, self.target.cache
-        # a quantized cache reads a token back differently once it leaves the full-precision window, so the tokens
-        # synced after its last final reading (its layers' `quantized`, which only grows with the length) are
-        # copied again
-        start, end = min(self.synced, self.settled), source.length
+        # a quantized cache reads a token back differently once it leaves the full-precision window (its values
+        # quantized and its key staged: `v_quantized` grew) and again once its key joins a group (`quantized` grew);
+        # both only grow with the length, so what changed since the last sync starts at the old bound that moved
+        start, end = self.synced, source.length
+        (k_was, v_was), (k_now, v_now) = self.readings, _reading_bounds(source, end)
+        if v_now > v_was:
+            start = min(start, v_was)
+        if k_now > k_was:
+            start = min(start, k_was)
         state.cache.crop(start)
         for mine, theirs in zip(state.cache.layers, source.layers):
-            keys, values = theirs.attention_view()  # a quantized cache's dequantized, as the target reads it
+            keys, values = theirs.attention_view(start)  # a quantized cache's dequantized, as the target reads it
             if not mine.is_initialized:
                 mine.lazy_initialization(keys, values)
-            mine.key_buffer[:, :, start:end].copy_(keys[:, :, start:end])
-            mine.value_buffer[:, :, start:end].copy_(values[:, :, start:end])
+            mine.key_buffer[:, :, start:end].copy_(keys[:, :, :end - start])
+            mine.value_buffer[:, :, start:end].copy_(values[:, :, :end - start])
             mine.advance(end - start)
         state.reset_to(end)
         self.fed[0] = self.synced = end
-        self.settled = min(getattr(layer, "quantized", end) for layer in source.layers)
+        self.readings = k_now, v_now
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (checkpoints pad embedding tables to different sizes; the
