@@ -142,12 +142,15 @@ def _peer(model_name: str, spec_cfg, prompt_ids, new_tokens: int, length: DraftL
     from toolkit.models import load_model
     from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 
-    draft_name = str(spec_cfg.get("model") or "") if spec_cfg.kind == "draft" else ""
-    if draft_name and is_quantized_checkpoint(draft_name):
-        draft_name = str(read_manifest(draft_name).get("source") or "")
-    if spec_cfg.kind not in ("lookup", "draft") or (spec_cfg.kind == "draft"
-                                                    and (not draft_name or is_quantized_model(draft_name))):
+    if spec_cfg.kind not in ("lookup", "draft"):
         return {}
+    draft_name = ""
+    if spec_cfg.kind == "draft":
+        draft_name = str(spec_cfg.get("model") or "")
+        if is_quantized_checkpoint(draft_name):  # ours: the float model it was made from
+            draft_name = str(read_manifest(draft_name).get("source") or "")
+        if not draft_name or is_quantized_model(draft_name):
+            return {}
 
     def reference(name):
         model = load_model(name).model.eval()

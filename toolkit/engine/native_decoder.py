@@ -210,13 +210,13 @@ class NativeDecoder:
         layers = getattr(cache, "layers", None)
         if not layers or len(layers) < self.n_layers or type(layers[0]) is not ContiguousKVLayer:
             return False
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return False
         first = layers[0]
         if not first.is_initialized:  # an empty cache: a w4a8 stack runs the prompt too (see __init__)
             return self.runs_prompts and rows <= first.max_length
         if (first.key_buffer.dtype != torch.float32 or first.key_buffer.shape[0] != 1
                 or not first.key_buffer.is_contiguous()):
-            return False
-        if attention_mask is not None and not bool(attention_mask.all()):
             return False
         return first.length + rows <= first.max_length
 
@@ -225,9 +225,9 @@ class NativeDecoder:
         head_dim] for the rows' positions. Writes the rows' keys and values at the cache's next slots and advances
         it."""
         layers = cache.layers[:self.n_layers]
-        d = self.dims
-        for layer in layers:
-            if not layer.is_initialized:  # a prompt into an empty cache (`runs_prompts`)
+        if not layers[0].is_initialized:  # a prompt into an empty cache (`runs_prompts`): all layers are empty
+            d = self.dims
+            for layer in layers:
                 layer.allocate(1, d.kv_heads, d.head_dim, d.head_dim, torch.float32, hidden.device)
         start = layers[0].length
         if any(layer.length != start or type(layer) is not type(layers[0]) for layer in layers):

@@ -251,23 +251,42 @@ class QuantizedKVLayer(CacheLayerMixin):
                 self.dequantize_values(self.v_synced, out=self.v_float[:, :, self.v_synced:Tv])
                 self.v_synced = Tv
             keys, values = self.k_float[:, :, :end], self.v_float[:, :, :end]
-            keys[:, :, self.length:], values[:, :, self.length:] = k_new, v_new
+            self._overlay(keys, values, 0)
         else:
             keys, values = self.workspace.get(k_new, self.max_length)
             keys, values = keys[:, :, :end], values[:, :, :end]
-            for ws, res, new in ((keys, self.k_res, k_new), (values, self.v_res, v_new)):
-                ws[:, :, Tv:self.length] = res[:, :, :self.length - Tv]
-                ws[:, :, self.length:] = new
-            if Tk:
-                self.dequantize_keys(hi_only=hi_only, out=keys[:, :, :Tk])
-            if Tv:
-                self.dequantize_values(hi_only=hi_only, out=values[:, :, :Tv])
-        if Tv > Tk:
-            self._read_staged(Tk, Tv, keys[:, :, Tk:Tv])
-        if self.cfg.sink and Tv:
-            n = min(self.cfg.sink, Tv)
-            keys[:, :, :n], values[:, :, :n] = self.k_sink[:, :, :n], self.v_sink[:, :, :n]
+            self._fill(keys, values, 0, hi_only)
+        keys[:, :, self.length:], values[:, :, self.length:] = k_new, v_new
         return keys, values
+
+    def _fill(self, keys: torch.Tensor, values: torch.Tensor, start: int, hi_only: bool = False) -> None:
+        """Cached slots start.. as attention reads them, written into keys/values [B, H, >= length - start, D]
+        (index 0 = slot `start`): the full-precision window, quantized values, grouped keys (whole groups
+        dequantized, the range kept), then `_overlay`."""
+        Tk, Tv, G = self.quantized, self.v_quantized, self.cfg.group_size
+        first = max(start, Tv)
+        keys[:, :, first - start:self.length - start] = self.k_res[:, :, first - Tv:self.length - Tv]
+        values[:, :, first - start:self.length - start] = self.v_res[:, :, first - Tv:self.length - Tv]
+        if Tv > start:
+            self.dequantize_values(start, Tv, hi_only=hi_only, out=values[:, :, :Tv - start])
+        if Tk > start and start % G == 0:
+            self.dequantize_keys(start, Tk, hi_only=hi_only, out=keys[:, :, :Tk - start])
+        elif Tk > start:
+            group_start = start // G * G
+            whole = self.dequantize_keys(group_start, Tk, hi_only=hi_only)
+            keys[:, :, :Tk - start] = whole[:, :, start - group_start:]
+        self._overlay(keys, values, start)
+
+    def _overlay(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Over a read from slot `start`: the staged keys, and the sink tokens' originals in place of their codes."""
+        Tk, Tv = self.quantized, self.v_quantized
+        first = max(start, Tk)
+        if Tv > first:
+            self._read_staged(first, Tv, keys[:, :, first - start:Tv - start])
+        sink = min(self.cfg.sink, Tv)
+        if sink > start:
+            keys[:, :, :sink - start] = self.k_sink[:, :, start:sink]
+            values[:, :, :sink - start] = self.v_sink[:, :, start:sink]
 
     def attention_view(self, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached tokens start.. as attention reads them (dequantized; the full-precision window and sinks as they
@@ -277,25 +296,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         if start == 0:
             none = self.k_res[:, :, :0]
             return self._read(none, none, False)
-        Tk, Tv, end, G = self.quantized, self.v_quantized, self.length, self.cfg.group_size
         B, H, _, D = self.k_res.shape
-        keys = torch.empty(B, H, end - start, D, dtype=self.dtype, device=self.device)
+        keys = torch.empty(B, H, self.length - start, D, dtype=self.dtype, device=self.device)
         values = torch.empty_like(keys)
-        first = max(start, Tv)  # the full-precision window
-        keys[:, :, first - start:] = self.k_res[:, :, first - Tv:end - Tv]
-        values[:, :, first - start:] = self.v_res[:, :, first - Tv:end - Tv]
-        if Tv > start:
-            self.dequantize_values(start, Tv, out=values[:, :, :Tv - start])
-        first = max(start, Tk)  # staged keys
-        if Tv > first:
-            self._read_staged(first, Tv, keys[:, :, first - start:Tv - start])
-        if Tk > start:  # grouped keys: whole groups are read, the range kept
-            group_start = start // G * G
-            keys[:, :, :Tk - start] = self.dequantize_keys(group_start, Tk)[:, :, start - group_start:]
-        sink = min(self.cfg.sink, Tv)
-        if sink > start:
-            keys[:, :, :sink - start] = self.k_sink[:, :, start:sink]
-            values[:, :, :sink - start] = self.v_sink[:, :, start:sink]
+        self._fill(keys, values, start)
         return keys, values
 
     def _append(self, k_new, v_new):

@@ -127,10 +127,11 @@ def vocab_mismatch(target_tokenizer, draft_tokenizer) -> str | None:
 
 
 def _reading_bounds(cache, length: int) -> tuple[int, int]:
-    """Below which slot a cache reads keys from groups and values quantized: a quantized cache's `quantized` and
-    `v_quantized` (the same in every layer); a full-precision cache reads every slot as written (`length`)."""
-    first = cache.layers[0]
-    return getattr(first, "quantized", length), getattr(first, "v_quantized", length)
+    """Below which slot a cache of `length` tokens reads keys from groups and values quantized (a quantized cache's
+    `quantized` and `v_quantized`, functions of the length alone); a full-precision cache reads every slot as
+    written (`length`)."""
+    cfg = getattr(cache.layers[0], "cfg", None)
+    return (length, length) if cfg is None else (cfg.flushed_tokens(length), cfg.flushed_values(length))
 
 
 class ModelDraft:
@@ -174,7 +175,6 @@ class ModelDraft:
                                  getattr(self.model, "specquant_decode_forward", None))
         self.fed = [0] * batch  # per row: context tokens already in the draft's cache
         self.synced = 0  # with a shared cache: slots holding the target's keys and values
-        self.readings = (0, 0)  # the target cache's quantized-key and -value bounds at the last sync (`_sync`)
         # share_kv: read the target's cache where both caches can (see the class docstring)
         shares = (self.share_kv and batch == 1 and type(cache) is ContiguousKVCache
                   and type(target.cache) in (ContiguousKVCache, QuantizedKVCache)
@@ -190,7 +190,7 @@ class ModelDraft:
         # quantized and its key staged: `v_quantized` grew) and again once its key joins a group (`quantized` grew);
         # both only grow with the length, so what changed since the last sync starts at the old bound that moved
         start, end = self.synced, source.length
-        (k_was, v_was), (k_now, v_now) = self.readings, _reading_bounds(source, end)
+        (k_was, v_was), (k_now, v_now) = _reading_bounds(source, start), _reading_bounds(source, end)
         if v_now > v_was:
             start = min(start, v_was)
         if k_now > k_was:
@@ -205,7 +205,6 @@ class ModelDraft:
             mine.advance(end - start)
         state.reset_to(end)
         self.fed[0] = self.synced = end
-        self.readings = k_now, v_now
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (checkpoints pad embedding tables to different sizes; the
