@@ -542,3 +542,35 @@ def test_attention_view_from_any_slot_is_what_the_whole_read_gives_there(kind, e
                 part = layer.attention_view(start)
                 assert all(torch.equal(p, w[:, :, start:]) for p, w in zip(part, whole)), (start, layer.length)
     assert cache.layers[0].quantized >= 24 and any(staged)  # groups and staged keys were both read
+
+
+@pytest.mark.parametrize("kind,extra", [("int8", {}), ("int4", {}), ("int2", {}), ("int4", {"sink": 0}),
+                                        ("int4", {"sink": 4}), ("int4", {"dequant": "torch"}),
+                                        ("int8", {"hierarchical": True})])
+def test_a_pass_read_in_pieces_gives_each_row_its_one_token_steps_reading(kind, extra):
+    """A verify pass on a quantized cache (`stepwise_reads`) is cut where the reading bounds move (`read_splits`),
+    and a later piece reads only what the flush in between changed (`update(continues=True)`): bit for bit the
+    whole read a fresh update at that length gives, and each piece's rows see what one-token steps would."""
+    cfg = quant_config({"kind": kind, "residual": 8, "group_size": 16, **extra})  # flushes every 8, groups of 16
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, 2, 80, 16, generator=gen) * 2, torch.randn(1, 2, 80, 16, generator=gen)
+    cut = 0
+    for length in range(1, 60, 3):
+        pieces, whole = _qc(1, 96, cfg), _qc(1, 96, cfg)
+        for cache in (pieces, whole):
+            _feed(cache, k, v, [length])
+        pieces.stepwise_reads = True
+        assert whole.read_splits(7) == []  # only under stepwise_reads: a prompt's pass reads as at its start
+        splits = pieces.read_splits(7)
+        bounds = [(cfg.flushed_tokens(n), cfg.flushed_values(n)) for n in range(length, length + 7)]
+        assert splits == [j for j in range(1, 7) if bounds[j] != bounds[j - 1]]
+        cut += bool(splits)
+        edges = [0, *splits, 7]
+        for a, b in zip(edges, edges[1:]):
+            got = pieces.update(k[:, :, length + a:length + b], v[:, :, length + a:length + b], 0, continues=a > 0)
+            want = whole.update(k[:, :, length + a:length + b], v[:, :, length + a:length + b], 0)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (length, a, b)
+            step = _qc(1, 96, cfg)  # one-token steps up to the piece's first row read the same cache
+            _feed(step, k, v, [1] * (length + a))
+            assert all(torch.equal(s, w[:, :, :length + a]) for s, w in zip(step.layers[0].attention_view(), want))
+    assert cut > 5

@@ -120,6 +120,35 @@ def test_quantized_kv_caches_roll_back_exactly(llama_and_gemma):
             assert alone == reference, kind
 
 
+@pytest.mark.parametrize("name,forward", [("llama", "transformers"), ("llama", "lean"), ("gemma3", "transformers")])
+def test_greedy_identity_holds_when_a_flush_falls_inside_a_verify_pass(tiny_llama_dir, tiny_gemma3_dir, name,
+                                                                       forward):
+    """A quantized cache reads a token back quantized from the step after it leaves the full-precision window. With
+    a window of 8 and groups of 8-16 a flush falls inside most verify passes: each row must still read the cache as
+    one-token decoding would at its position (README, "Speculative decoding on a quantized cache"): the lean
+    forward updates and attends piece by piece inside each layer, other forwards run the pieces as passes."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.engine.lean_forward import install
+
+    path = tiny_llama_dir if name == "llama" else tiny_gemma3_dir
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    assert install(model, forward) == forward
+    prompts = _prompts(6)
+    for bits, group in [(8, 8), (4, 16), (2, 16)]:
+        kind = OmegaConf.create({"kind": f"int{bits}", "bits": bits, "group_size": group, "residual": 8})
+        # one at a time: in a left-padded batch the padding would move where each sequence's flushes fall
+        reference = [generate(model, tok, [p], 40, stop_tokens=set(), kv=kind).sequences[0].token_ids
+                     for p in prompts]
+        for make in (LookupDraft, lambda: build_draft({"kind": "self", "bits": 4, "group_size": 32,
+                                                       "share_kv": True}, model, tok)):
+            alone = [speculative_generate(model, tok, [p], 40, make(), DraftLength(4), stop_tokens=set(),
+                                          kv=kind).sequences[0].token_ids for p in prompts]
+            assert alone == reference, (bits, group)
+
+
 def test_stop_tokens_and_the_token_budget_are_exact(llama_and_gemma):
     llama, _, tok = llama_and_gemma
     prompts = _prompts(6)
@@ -493,8 +522,8 @@ def test_a_shared_kv_draft_holds_the_targets_keys_and_values_for_every_verified_
 def test_a_shared_kv_draft_reads_a_quantized_target_cache_as_the_targets_attention_does(llama_and_gemma, bits, group):
     """With kv=int8/int4 the target's cache is quantized: the shared draft's full-precision cache holds, up to the
     last sync, exactly what the target's attention reads (dequantized groups, the full-precision window, sinks).
-    (Greedy identity on quantized caches: test_quantized_kv_caches_roll_back_exactly. Not asserted here: with a
-    window this short a flush falls inside verify passes, README "Speculative decoding on a quantized cache".)"""
+    (Greedy identity on quantized caches: test_quantized_kv_caches_roll_back_exactly, and with a window this short,
+    where flushes fall inside verify passes, test_greedy_identity_holds_when_a_flush_falls_inside_a_verify_pass.)"""
     llama, _, tok = llama_and_gemma
     spec = {"kind": "self", "bits": 4, "group_size": 32, "share_kv": True}
     # a short full-precision window and small groups: most of these short prompts' tokens are read back quantized

@@ -107,9 +107,19 @@ class LayeredKVCache(Cache):
     """What every croppable cache of ours adds to transformers' `Cache`, over layers that each have `length`,
     `crop` and `nbytes`: the same three for the whole cache."""
 
+    # Set by speculative decoding on the target's cache once the prompt is in: a verify pass's rows must each read
+    # the cache as a one-token step at their position would (`read_splits`).
+    stepwise_reads = False
+
     @property
     def length(self) -> int:
         return self.layers[0].length
+
+    def read_splits(self, tokens: int) -> list[int]:
+        """Offsets 0 < j < tokens at which a pass of `tokens` new tokens must be cut (update and attend piece by
+        piece) so that each row reads the cache as a one-token step at its position would. Empty for a cache whose
+        reading of the held tokens never depends on its length (full precision); see QuantizedKVCache's."""
+        return []
 
     def crop(self, length: int) -> None:
         for layer in self.layers:

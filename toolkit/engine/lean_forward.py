@@ -137,6 +137,28 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
+def _attend_in_pieces(attention, attn, q, k, v, mask, cache, splits: list[int]) -> torch.Tensor:
+    """Attention of a pass whose rows must read the cache as one-token steps would (`read_splits`): the cache is
+    updated with each piece's keys and values in turn and the piece's rows attend over what that update returns,
+    under their rows of the pass's causal mask. The products around attention still run the whole pass at once."""
+    past = cache.layers[attn.layer_idx].get_seq_length()
+    edges = [0, *splits, q.shape[2]]
+    outs = []
+    for a, b in zip(edges, edges[1:]):
+        passed = {}
+        # a later piece reads again only what the flush in between changed (QuantizedKVLayer.update)
+        keys, values = cache.update(k[:, :, a:b], v[:, :, a:b], attn.layer_idx, kwargs=passed, continues=a > 0)
+        if mask is not None:
+            rows_mask = mask[:, :, a:b, :past + b]
+        else:  # a pass transformers left unmasked (plain causal): the rows' causal mask, explicit
+            slots = torch.arange(past + b, device=q.device)
+            rows_mask = slots[None, :] <= torch.arange(past + a, past + b, device=q.device)[:, None]
+        out, _ = attention(attn, q[:, :, a:b], keys, values, rows_mask, dropout=0.0, scaling=attn.scaling,
+                           **passed)
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
 def _attention_function(config, device: torch.device, share_kv_heads: bool):
     name = config._attn_implementation
     if name == "sdpa" and device.type == "cpu" and share_kv_heads:
@@ -426,6 +448,11 @@ class LeanForward:
         return CausalLMOutputWithPast(logits=self.logits(input_ids, attention_mask, position_ids, cache,
                                                          logits_to_keep), cache=cache)
 
+    def takes_read_splits(self) -> bool:
+        """Whether calls take the lean path, which updates and attends piece by piece where the cache asks
+        (`read_splits`); otherwise the caller has to run the pieces as separate forwards (spec/ragged.py)."""
+        return not self.model.training and _attention_supported(self.model.config)
+
     def logits(self, input_ids, attention_mask, position_ids, cache, logits_to_keep: int) -> torch.Tensor:
         model = self.model
         inner = model.model
@@ -443,6 +470,8 @@ class LeanForward:
             return self._head(hidden, logits_to_keep)
         mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
                                   position_ids=position_ids)
+        # a quantized cache under a verify pass: rows read it piece by piece (KV cache `read_splits`)
+        splits = cache.read_splits(length) if cache is not None and hasattr(cache, "read_splits") else []
         cos, sin = cos.unsqueeze(1), _signed_sin(sin.unsqueeze(1))
         attention = _attention_function(config, hidden.device, self.share_kv_heads)
         for plan in self.plan():
@@ -461,10 +490,13 @@ class LeanForward:
                 k = _rotate_rolled(_linear(plan.k, x, rows).view(shape).transpose(1, 2), cos, sin)
                 v = _linear(plan.v, x, rows)
             v = v.view(shape).transpose(1, 2)
-            passed = {}  # what the cache hands the attention call (the paged cache's plan), as transformers passes it
-            if cache is not None:
-                k, v = cache.update(k, v, attn.layer_idx, kwargs=passed)
-            out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **passed)
+            if splits:
+                out = _attend_in_pieces(attention, attn, q, k, v, mask, cache, splits)
+            else:
+                passed = {}  # what the cache hands the attention call (the paged cache's plan), as transformers does
+                if cache is not None:
+                    k, v = cache.update(k, v, attn.layer_idx, kwargs=passed)
+                out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **passed)
             hidden = hidden + _linear(plan.o, out.reshape(batch, length, -1).contiguous(), rows)
             x = _norm(plan.post_norm, hidden)
             gate_up = plan.gate_up if plan.gate_up is not None and rows < plan.gate_up.max_rows else None

@@ -68,6 +68,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.v_quantized = 0  # values quantized, and keys quantized at all (groups + staging): Tv
         self.shadow_n = 0  # the shadows' last shadow_n rows hold the originals of keys/values [Tv - n, Tv)
         self.ring_floor = 0  # the ring holds the INT8 codes of every key in [ring_floor, Tv)
+        self._last_read: tuple[int, int, int] | None = None  # (Tk, Tv, end) of the latest read, for `continues`
 
     # ---- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -227,14 +228,38 @@ class QuantizedKVLayer(CacheLayerMixin):
                                      (start, end), (end - start, D // vg, vg), hi_only, "values")
 
     # ---- the Cache layer interface --------------------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, hi_only: bool = False, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, hi_only: bool = False,
+               continues: bool = False, **kwargs):
+        """`continues`: the next piece of a pass read in pieces (`QuantizedKVCache.read_splits`), right after this
+        layer's previous piece, whose reading is still in the workspace: only the slots the flush in between
+        changed are read again."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[-2]
         if self.length + t > self.max_length:
             raise RuntimeError(f"KV cache overflow: {self.length + t} tokens > max_length {self.max_length}")
-        keys, values = self._read(key_states, value_states, hi_only)
+        if continues and self._last_read is not None and self.cfg.dequant != "cached" and not hi_only:
+            keys, values = self._read_on(key_states, value_states)
+        else:
+            keys, values = self._read(key_states, value_states, hi_only)
+        # an empty cache's read is the new tokens themselves, not the workspace: nothing to continue from
+        self._last_read = (self.quantized, self.v_quantized, self.length + t) if self.length else None
         self._append(key_states, value_states)
+        return keys, values
+
+    def _read_on(self, k_new, v_new):
+        """`_read`'s values from the workspace left by this layer's previous read, the one at the end of the
+        previous piece: the flush since moved keys [Tk_then, Tk) from staging into groups and keys and values
+        [Tv_then, Tv) out of the window, so slots from the lower of those on are read again, the rest kept."""
+        tk, tv, end_then = self._last_read
+        if end_then != self.length:
+            raise RuntimeError(f"a continued read at {self.length} tokens after a read that ended at {end_then}")
+        keys, values = self.workspace.get(k_new, self.max_length)
+        end = self.length + k_new.shape[-2]
+        keys, values = keys[:, :, :end], values[:, :, :end]
+        start = tk if self.quantized != tk else tv
+        self._fill(keys[:, :, start:], values[:, :, start:], start)
+        keys[:, :, self.length:], values[:, :, self.length:] = k_new, v_new
         return keys, values
 
     def _read(self, k_new, v_new, hi_only):
@@ -487,6 +512,23 @@ class QuantizedKVCache(LayeredKVCache):
         super().__init__(layers=[QuantizedKVLayer(max_length, cfg, workspace, rope[i]) for i in range(num_layers)])
         self.max_length = max_length
         self.cfg = cfg
+
+    def read_splits(self, tokens: int) -> list[int]:
+        """With `stepwise_reads` (a speculative verify pass): where the reading bounds move inside a pass of `tokens`.
+        A multi-token pass reads the cache as it stands at its start (`_read`), but one-token decoding reads the
+        token at position p against the bounds at length p, so a flush falling inside the pass (every VALUE_FLUSH
+        tokens past the window) would let the pass's later rows read a few tokens in full precision that decoding
+        reads quantized, and greedy speculation could drift from the target alone. Updating the cache piece by
+        piece at these offsets gives each row exactly its step's reading (the state is a function of the length).
+        Empty otherwise (a prompt's pass reads as at its start, as in KIVI)."""
+        if not self.stepwise_reads or tokens < 2:
+            return []
+        cfg, start = self.cfg, self.length
+
+        def bounds(n: int) -> tuple[int, int]:
+            return cfg.flushed_tokens(n), cfg.flushed_values(n)
+
+        return [j for j in range(1, tokens) if bounds(start + j) != bounds(start + j - 1)]
 
     @classmethod
     def for_model(cls, model, max_length: int, cfg: KVQuantConfig) -> "QuantizedKVCache":

@@ -169,6 +169,9 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
     target.mark()
     logits = target.feed([ids for ids in encoded], logits=1)[:, -1]
     target.keep([len(ids) for ids in encoded])
+    # from here on every pass is a verify pass: its rows read a quantized cache as one-token steps would, so that
+    # greedy output stays the target's own (KV cache `read_splits`); the prompt read as at its start, as the engine's
+    target.cache.stepwise_reads = True
     first = sample(logits, sampling, generator).tolist()
     pending = first  # per row: the latest token, emitted but not yet run through the target
     for row, token in enumerate(first):

@@ -69,12 +69,22 @@ class RaggedBatch:
         return out
 
     def _run(self, ids, mask, positions, keep, start) -> torch.Tensor:
-        kwargs = {"logits_to_keep": keep} if takes_logits_to_keep(type(self.model)) else {}
+        takes_keep = takes_logits_to_keep(type(self.model))
+        # where the cache asks for a pass in pieces (a flush inside a verify pass on a quantized cache) and the
+        # forward cannot do it inside attention, each piece is a forward of its own: the same readings, more passes
+        lean = getattr(self.model.__dict__.get("forward"), "takes_read_splits", None)
+        splits = [] if lean is not None and lean() else getattr(self.cache, "read_splits", lambda n: [])(ids.shape[1])
+        edges = [0, *splits, ids.shape[1]]
 
         def run():
-            out = self.forward(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                               use_cache=True, **kwargs).logits
-            return out[:, -keep:]
+            outs = []
+            for a, b in zip(edges, edges[1:]):
+                n = keep if len(edges) == 2 else b - a
+                out = self.forward(input_ids=ids[:, a:b], attention_mask=None if mask is None else mask[:, :start + b],
+                                   position_ids=positions[:, a:b], cache=self.cache, use_cache=True,
+                                   **({"logits_to_keep": n} if takes_keep else {})).logits
+                outs.append(out[:, -n:])
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)[:, -keep:]
 
         with torch.inference_mode():
             out = run()
