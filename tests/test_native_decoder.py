@@ -19,23 +19,27 @@ pytestmark = pytest.mark.skipif(library() is None, reason="the native decoder is
                                                           "AVX2, or SPECQUANT_NO_KERNELS is set)")
 
 
-@pytest.fixture(params=["llama", "qwen2"])
-def int4_model(request, tiny_llama_dir, tiny_qwen2):
-    """Every decoder Linear an int4 QuantLinear on specquant's kernel (the int4 self-draft of an engine-prepared
-    fp32 model: fp16 output head on fbgemm, whose products are row-independent too), under the lean forward."""
+@pytest.fixture(params=["llama-int4", "qwen2-int4", "llama-fp16", "qwen2-fp16"])
+def native_model(request, tiny_llama_dir, tiny_qwen2):
+    """int4: every decoder Linear an int4 QuantLinear on specquant's kernel (the int4 self-draft of an engine-prepared
+    fp32 model: fp16 output head on fbgemm, whose products are row-independent too), under the lean forward. fp16: the
+    engine-prepared float model itself (fp16 weights, fp32 activations: the engine default), whose fp16 products the
+    stack runs on specquant's fp16 kernel."""
     from transformers import AutoModelForCausalLM
 
     from toolkit.spec.self_draft import build_self_draft
 
-    if request.param == "qwen2":
+    arch, kind = request.param.split("-")
+    if arch == "qwen2":
         target = copy.deepcopy(tiny_qwen2)
     else:
         target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prepare_model(target, Precision(torch.float32, torch.float16), gemm="fbgemm")
     install(target)
-    model = build_self_draft(target, bits=4, group_size=32)
+    model = build_self_draft(target, bits=4, group_size=32) if kind == "int4" else target
     if model.forward.native_decoder() is None:
         pytest.skip(f"the native decoder does not run this model here: {model.forward.native_reason}")
+    model.specquant_test_kind = kind
     return model
 
 
@@ -59,53 +63,57 @@ def script(forward, model, batch: int = 1):
     return out
 
 
-def test_native_logits_are_the_lean_forwards_within_fp32_rounding(int4_model):
-    native = script(int4_model.forward, int4_model)
-    torch_ops = script(LeanForward(int4_model, native=False), int4_model)
-    assert torch.equal(native[0], torch_ops[0])  # the prompt fills an empty cache through the torch path
-    for a, b in zip(native[1:], torch_ops[1:]):
+def test_native_logits_are_the_lean_forwards_within_fp32_rounding(native_model):
+    native = script(native_model.forward, native_model)
+    torch_ops = script(LeanForward(native_model, native=False), native_model)
+    if native_model.specquant_test_kind == "int4":
+        assert torch.equal(native[0], torch_ops[0])  # the prompt fills an empty cache through the torch path
+    else:
+        assert native_model.forward.native_decoder().runs_prompts  # fp16: the C stack runs the prompt too
+    first = 1 if native_model.specquant_test_kind == "int4" else 0
+    for a, b in zip(native[first:], torch_ops[first:]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     assert not all(torch.equal(a, b) for a, b in zip(native[1:], torch_ops[1:]))  # the C stack really ran
 
 
-def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(int4_model):
+def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(native_model):
     """A 5-row pass gives each row exactly what five 1-row steps give (what speculative verification needs)."""
     torch.manual_seed(0)
-    ids = torch.randint(4, int4_model.config.vocab_size, (1, 20))
-    cache = ContiguousKVCache.for_model(int4_model, 64)
+    ids = torch.randint(4, native_model.config.vocab_size, (1, 20))
+    cache = ContiguousKVCache.for_model(native_model, 64)
     with torch.inference_mode():
-        int4_model(input_ids=ids[:, :12], cache=cache, use_cache=True)
-        together = int4_model(input_ids=ids[:, 12:17], cache=cache, use_cache=True).logits[0]
+        native_model(input_ids=ids[:, :12], cache=cache, use_cache=True)
+        together = native_model(input_ids=ids[:, 12:17], cache=cache, use_cache=True).logits[0]
         cache.crop(12)
-        apart = torch.cat([int4_model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits[0]
+        apart = torch.cat([native_model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits[0]
                            for i in range(12, 17)])
     assert torch.equal(together, apart)
 
 
-def test_calls_it_cannot_run_take_the_torch_path(int4_model):
+def test_calls_it_cannot_run_take_the_torch_path(native_model):
     """A batch of two, a quantized KV cache: the lean forward's torch operators, bit for bit."""
     from toolkit.kv import make_kv_cache
 
-    torch_path = LeanForward(int4_model, native=False)
-    assert all(torch.equal(a, b) for a, b in zip(script(int4_model.forward, int4_model, batch=2),
-                                                   script(torch_path, int4_model, batch=2)))
-    ids = torch.randint(4, int4_model.config.vocab_size, (1, 12))
+    torch_path = LeanForward(native_model, native=False)
+    assert all(torch.equal(a, b) for a, b in zip(script(native_model.forward, native_model, batch=2),
+                                                   script(torch_path, native_model, batch=2)))
+    ids = torch.randint(4, native_model.config.vocab_size, (1, 12))
     results = []
-    for forward in (int4_model.forward, torch_path):
-        cache = make_kv_cache(int4_model, 64, "int4")
+    for forward in (native_model.forward, torch_path):
+        cache = make_kv_cache(native_model, 64, "int4")
         with torch.inference_mode():
             forward(input_ids=ids[:, :8], cache=cache, use_cache=True)
             results.append(forward(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits)
     assert torch.equal(*results)
 
 
-def test_the_kv_cache_holds_what_the_torch_path_would_have_written(int4_model):
+def test_the_kv_cache_holds_what_the_torch_path_would_have_written(native_model):
     torch.manual_seed(0)
-    ids = torch.randint(4, int4_model.config.vocab_size, (1, 14))
+    ids = torch.randint(4, native_model.config.vocab_size, (1, 14))
     caches = []
-    for forward in (int4_model.forward, LeanForward(int4_model, native=False)):
-        cache = ContiguousKVCache.for_model(int4_model, 64)
+    for forward in (native_model.forward, LeanForward(native_model, native=False)):
+        cache = ContiguousKVCache.for_model(native_model, 64)
         with torch.inference_mode():
             forward(input_ids=ids[:, :9], cache=cache, use_cache=True)
             forward(input_ids=ids[:, 9:], cache=cache, use_cache=True)
@@ -116,34 +124,36 @@ def test_the_kv_cache_holds_what_the_torch_path_would_have_written(int4_model):
 
 
 @pytest.mark.skipif(not vnni.available(), reason="int8 activations need the VNNI kernel (AVX512-VNNI)")
-def test_int8_activations_approximate_the_fp32_stack_and_keep_rows_independent(int4_model):
-    """A draft's stack (spec.act_bits=8): every product on the w4a8 kernel, close to the fp32 stack but not it, the
+def test_int8_activations_approximate_the_fp32_stack_and_keep_rows_independent(native_model):
+    """(int4 stacks: fp16 products keep fp32 activations.) A draft's stack (spec.act_bits=8): every product on the w4a8 kernel, close to the fp32 stack but not it, the
     prompt included (an empty cache is filled by the C stack too, keys and values close to the torch path's), and a
     row's logits still do not depend on the rows beside it."""
-    exact = script(int4_model.forward, int4_model)
-    int4_model.forward.use_activations("int8")
-    native = int4_model.forward.native_decoder()
-    assert native is not None and native.w4a8 == 4 * int4_model.config.num_hidden_layers and native.runs_prompts
-    approx = script(int4_model.forward, int4_model)
+    if native_model.specquant_test_kind != "int4":
+        pytest.skip("int8 activations are for int4 products (a draft's)")
+    exact = script(native_model.forward, native_model)
+    native_model.forward.use_activations("int8")
+    native = native_model.forward.native_decoder()
+    assert native is not None and native.w4a8 == 4 * native_model.config.num_hidden_layers and native.runs_prompts
+    approx = script(native_model.forward, native_model)
     for a, b in zip(approx, exact):  # 10%: the prompt's keys and values are approximate too, and errors compound
         assert not torch.equal(a, b)
         assert (a - b).abs().max() <= 0.1 * b.abs().max(), (a - b).abs().max() / b.abs().max()
-    ids = torch.randint(4, int4_model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
-    caches = [ContiguousKVCache.for_model(int4_model, 64) for _ in range(2)]
+    ids = torch.randint(4, native_model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    caches = [ContiguousKVCache.for_model(native_model, 64) for _ in range(2)]
     with torch.inference_mode():
-        int4_model(input_ids=ids, cache=caches[0], use_cache=True)  # 40 rows: above the fp32 packs' own limit too
-        LeanForward(int4_model, native=False)(input_ids=ids, cache=caches[1], use_cache=True)
+        native_model(input_ids=ids, cache=caches[0], use_cache=True)  # 40 rows: above the fp32 packs' own limit too
+        LeanForward(native_model, native=False)(input_ids=ids, cache=caches[1], use_cache=True)
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert a.length == b.length == 40 and not torch.equal(a.keys, b.keys)
         assert (a.keys - b.keys).abs().max() <= 0.05 * b.keys.abs().max()
         assert (a.values - b.values).abs().max() <= 0.05 * b.values.abs().max()
-    test_a_rows_logits_do_not_depend_on_the_rows_beside_it(int4_model)
+    test_a_rows_logits_do_not_depend_on_the_rows_beside_it(native_model)
     with pytest.raises(ValueError, match="activations"):
-        int4_model.forward.use_activations("int4")
+        native_model.forward.use_activations("int4")
 
 
 @pytest.mark.parametrize("draft_kind", ["lookup", "self-int4", "self-w4a8-shared-kv"])
-def test_speculative_greedy_output_with_a_native_target_is_the_target_alone(int4_model, tiny_tokenizer, draft_kind):
+def test_speculative_greedy_output_with_a_native_target_is_the_target_alone(native_model, tiny_tokenizer, draft_kind):
     from toolkit.spec.build import build_draft
     from toolkit.spec.decode import DraftLength, speculative_generate
     from toolkit.spec.drafts import LookupDraft, ModelDraft
@@ -154,17 +164,17 @@ def test_speculative_greedy_output_with_a_native_target_is_the_target_alone(int4
 
     texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 400]
     prompts = [texts[3 * i][:50 + 9 * i] + " " + texts[3 * i][:20] for i in range(6)]
-    reference = [s.token_ids for s in generate(int4_model, tiny_tokenizer, prompts, 20, stop_tokens=set()).sequences]
+    reference = [s.token_ids for s in generate(native_model, tiny_tokenizer, prompts, 20, stop_tokens=set()).sequences]
     widths = []
     feed = RaggedBatch.feed
     for i, prompt in enumerate(prompts):
         if draft_kind == "lookup":
             draft = LookupDraft(3, 1)
         elif draft_kind == "self-int4":
-            draft = ModelDraft(build_self_draft(int4_model, layers=1, bits=4, group_size=32))
+            draft = ModelDraft(build_self_draft(native_model, layers=1, bits=4, group_size=32))
         else:  # the spec=self defaults on a VNNI CPU: int8 activations, w8a8 head, the target's keys and values
             draft = build_draft({"kind": "self", "bits": 4, "group_size": 32, "share_kv": True, "act_bits": 8,
-                                 "head_bits": 8, "head_group_size": 32}, int4_model, tiny_tokenizer)
+                                 "head_bits": 8, "head_group_size": 32}, native_model, tiny_tokenizer)
             assert isinstance(draft.model.lm_head, vnni.VnniLinear) == vnni.available()
         length = DraftLength(k=2 + i % 4, adaptive=i % 2 == 1, k_min=1, k_max=6)
 
@@ -175,7 +185,7 @@ def test_speculative_greedy_output_with_a_native_target_is_the_target_alone(int4
 
         RaggedBatch.feed = recording
         try:
-            out = speculative_generate(int4_model, tiny_tokenizer, [prompt], 20, draft, length, stop_tokens=set())
+            out = speculative_generate(native_model, tiny_tokenizer, [prompt], 20, draft, length, stop_tokens=set())
         finally:
             RaggedBatch.feed = feed
         assert out.sequences[0].token_ids == reference[i], i
@@ -190,20 +200,20 @@ def test_native_forward_on_a_model_it_cannot_run_is_a_clear_error(tiny_llama_dir
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    with pytest.raises(InputError, match="engine.forward=native cannot run this model: not every"):
-        install(model, "native")
+    with pytest.raises(InputError, match="engine.forward=native cannot run this model: no fused q,k,v"):
+        install(model, "native")  # fp32 layers, not prepared by the engine: no packs at all
     assert install(model, "auto") == "lean"  # float layers: the lean forward's torch path
 
 
-def test_the_native_view_follows_a_swapped_layer(int4_model):
+def test_the_native_view_follows_a_swapped_layer(native_model):
     """A layer swapped after install (a float Linear in place of an int4 one) turns the native decoder off."""
-    assert isinstance(int4_model.forward.native_decoder(), NativeDecoder)
-    layer = int4_model.model.layers[0].mlp
+    assert isinstance(native_model.forward.native_decoder(), NativeDecoder)
+    layer = native_model.model.layers[0].mlp
     down = layer.down_proj
     layer.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
     try:
-        assert int4_model.forward.native_decoder() is None
-        assert "not every" in int4_model.forward.native_reason
+        assert native_model.forward.native_decoder() is None
+        assert "not every" in native_model.forward.native_reason
     finally:
         layer.down_proj = down
-    assert int4_model.forward.native_decoder() is not None
+    assert native_model.forward.native_decoder() is not None

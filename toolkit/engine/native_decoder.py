@@ -1,21 +1,29 @@
-"""A whole int4 decoder stack in one C call per forward (toolkit/engine/c/decoder_layers.c): the lean forward's
-"native" path for quantized checkpoints and the int4 self-draft.
+"""A whole decoder stack in one C call per forward (toolkit/engine/c/decoder_layers.c): the lean forward's "native"
+path for int4 checkpoints, the int4 self-draft, and float models at the engine's default precision (fp16 weights,
+fp32 activations).
 
 Why: with int4 weights on specquant's GEMM, a SmolLM2-135M decode step through torch ops spent ~17 ms against a
 ~4 ms bandwidth floor; what remained was ~40 small operators per layer (norms, rotary, cache writes, attention,
-residuals), each a dispatch, an allocation and a thread fork, not the weights. Here each layer is four int4 GEMMs
-(the same kernel, `toolkit.quant.int4_native`) and a few C loops. `python -m toolkit.engine.native_decoder` times
-it against the lean forward's torch path on the same model and cache.
+residuals), each a dispatch, an allocation and a thread fork, not the weights. Here each layer is four GEMMs
+(int4: `toolkit.quant.int4_native` or `toolkit.quant.vnni`; fp16: `toolkit.quant.half_native`) and a few C loops.
+The float model gains the same way: its decode step went from ~14.4-14.9 ms through torch ops to ~7.7-7.9 ms
+(`python -m toolkit.engine.native_decoder smollm2-135m`, 2026-12-05). `python -m toolkit.engine.native_decoder
+[MODEL]` times it against the lean forward's torch path on the same model and cache.
 
 When it runs (`NativeDecoder.applies`; anything else takes the lean forward's torch path, same model):
 - every decoder layer's q,k,v and gate,up are fused `Int4N8Pack`s and o, down `"int4n8"` QuantLinear layers (a
-  quantized int4 checkpoint or the int4 self-draft on specquant's kernels), its norms RMSNorms, its activation
+  quantized int4 checkpoint or the int4 self-draft on specquant's kernels), or all four are fp16 products on
+  fbgemm (fused `FusedPack`s and fp16-stored `HalfStorageLinear`s: the engine's default float precision on x86),
+  which the stack runs from h16 packs of the same fp16 weights (made once per layer and kept on it: a second fp16
+  copy of the decoder's weights, 212 MB for SmolLM2) where the CPU has AVX512F; its norms RMSNorms, its activation
   SiLU, full rotary (no partial rotary, no sliding windows: what the lean forward already requires);
 - activations and KV cache in fp32, one sequence (batch 1, no padding mask), the cache a `ContiguousKVCache`
   already holding the prompt (the quantized and paged caches take the torch path), fewer new rows than the
   packs' `max_rows` (decode, verify passes, short prompts). A stack whose products all run w4a8 (below) also runs
   the prompt into an empty cache, up to `W4A8_MAX_ROWS` rows: there the integer kernel beats dequantize + fp32
-  F.linear at any row count (a 126-token prompt of Qwen2.5-Coder-0.5B int4: 0.24-0.27 s against 1.29-1.34 s).
+  F.linear at any row count (a 126-token prompt of Qwen2.5-Coder-0.5B int4: 0.24-0.27 s against 1.29-1.34 s). An
+  all-fp16 stack runs prompts too, below the packs' max_rows (FBGEMM_MAX_ROWS): its kernel keeps up with fbgemm's
+  at 128 rows.
 
 A draft's stack (`spec.act_bits=8`: `LeanForward.native_activations = "int8"`) runs its products on the w4a8
 kernel instead (`toolkit.quant.vnni`: activations rounded to int8 per group, AVX512-VNNI dot products; the v16
@@ -40,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit import cbuild
-from toolkit.quant import int4_native, vnni
+from toolkit.quant import half_native, int4_native, vnni
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +57,16 @@ FLAGS = [*int4_native.FLAGS, "-lm"]  # the int4 GEMM's flags (no FP contraction:
 ACTIVATIONS = ("fp32", "int8")
 
 
+N8, W4A8, H16 = 0, 1, 2  # a product's kind (`_Q4.kind`), as decoder_layers.c dispatches it
+
+
 class _Q4(ctypes.Structure):
-    """One int4 product: an n8 pack (`toolkit.quant.int4_native`) or, with w4a8 = 1, a v16 pack
-    (`toolkit.quant.vnni`, int8 activations); its fp32 bias or NULL, out, in and group."""
+    """One product: an int4 n8 pack (`toolkit.quant.int4_native`, kind N8), a v16 pack (`toolkit.quant.vnni`, int8
+    activations, kind W4A8) or an fp16 h16 pack in `codes` (`toolkit.quant.half_native`, kind H16; no scale, zero or
+    group); its fp32 bias or NULL, out, in and group."""
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64),
-                ("w4a8", ctypes.c_int64)]
+                ("kind", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -70,9 +82,9 @@ class _Dims(ctypes.Structure):
 
 def load():
     """Build (once per source, flags and CPU) and load the library, or None with a warning."""
-    lib = cbuild.load_library(SOURCE, "decoder-layers", list(FLAGS), "native int4 decoder",
-                              "int4 models run the lean forward's torch operators", log,
-                              includes=(int4_native.SOURCE, vnni.SOURCE))
+    lib = cbuild.load_library(SOURCE, "decoder-layers", list(FLAGS), "native decoder",
+                              "models run the lean forward's torch operators", log,
+                              includes=(int4_native.SOURCE, vnni.SOURCE, half_native.SOURCE))
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -98,8 +110,46 @@ def _q4(codes, scale, zero, bias, group: int, keep: list, activations: str = "fp
         v16 = _v16(codes, scale, zero, group)
         if v16 is not None:
             keep.extend(v16)
-            return _Q4(*(t.data_ptr() for t in v16), _ptr(bias), n, k, group, 1)
-    return _Q4(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), _ptr(bias), n, k, group, 0)
+            return _Q4(*(t.data_ptr() for t in v16), _ptr(bias), n, k, group, W4A8)
+    return _Q4(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), _ptr(bias), n, k, group, N8)
+
+
+def _h16(weights: list[torch.Tensor], biases: list[torch.Tensor | None], owner, keep: list) -> _Q4 | None:
+    """The struct of the product of fp16 `weights` stacked along the output dim (their biases too), on an h16 pack
+    made once and kept on `owner` while it holds these very weights (plans are rebuilt often, packs once); None where
+    the kernel is unavailable or the layout cannot hold it."""
+    if not half_native.available() or any(w.dtype != torch.float16 for w in weights):
+        return None
+    n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    if not half_native.supports(n, k) or any(w.shape[1] != k for w in weights):
+        return None
+    cached = getattr(owner, "specquant_h16", None)
+    if cached is None or len(cached[0]) != len(weights) or any(a is not b for a, b in zip(cached[0], weights)):
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach().float() if b is not None else torch.zeros(w.shape[0])
+                              for w, b in zip(weights, biases)]).contiguous()
+        packed = half_native.pack(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0])
+        cached = (tuple(weights), packed, bias)
+        owner.specquant_h16 = cached
+    _, packed, bias = cached
+    keep += [t for t in (packed, bias) if t is not None]
+    return _Q4(packed.data_ptr(), None, None, _ptr(bias), n, k, 0, H16)
+
+
+def _half_product(pack, modules: list, owner, keep: list) -> _Q4 | None:
+    """An fp16 product (engine precision fp16 weights, fp32 activations: fbgemm's fused pack or an fp16-stored
+    Linear on it) as an h16 product, or None."""
+    from toolkit.engine.lean_forward import FusedPack
+    from toolkit.engine.precision import HalfStorageLinear
+
+    if pack is not None and type(pack) is not FusedPack:
+        return None
+    if any(type(m) is not HalfStorageLinear for m in modules):
+        return None
+    if pack is None and getattr(modules[0], "fbgemm_fp16", None) is None:  # a fused pack took over its layers' own
+        return None
+    return _h16([m.weight for m in modules], [m.bias for m in modules], owner, keep)
 
 
 W4A8_MAX_ROWS = 2048
@@ -131,6 +181,31 @@ def _single(layer) -> tuple | None:
     return layer.weight_int4n8, layer.scale, layer.zero, bias, layer.group_size
 
 
+def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None:
+    """A layer's (q,k,v, o, gate,up, down) structs where all four are int4 on specquant's kernel, else None."""
+    from toolkit.engine.lean_forward import Int4N8Pack
+
+    qkv, gate_up, o, down = plan.qkv, plan.gate_up, _single(plan.o), _single(plan.down)
+    if not (type(qkv) is Int4N8Pack and type(gate_up) is Int4N8Pack and o and down):
+        return None
+    keep += [t for t in (qkv.bias, gate_up.bias, o[3], down[3]) if t is not None]
+    return (_q4(qkv.codes, qkv.scale, qkv.zero, qkv.bias, qkv.group, keep, activations), _q4(*o, keep, activations),
+            _q4(gate_up.codes, gate_up.scale, gate_up.zero, gate_up.bias, gate_up.group, keep, activations),
+            _q4(*down, keep, activations))
+
+
+def _half_products(plan, keep: list) -> tuple[_Q4, ...] | None:
+    """A layer's structs where all four products are fp16 on fbgemm (the packs made from the same fp16 weights),
+    else None. A draft's int8 activations do not apply: fp16 products stay fp32 (`ACTIVATIONS`)."""
+    # each pack kept on one module: q,k,v's on the attention module, gate,up's on the gate layer, o's and down's on
+    # themselves
+    products = (_half_product(plan.qkv, [plan.q, plan.k, plan.v], plan.attn, keep),
+                _half_product(None, [plan.o], plan.o, keep),
+                _half_product(plan.gate_up, [plan.gate, plan.up], plan.gate, keep),
+                _half_product(None, [plan.down], plan.down, keep))
+    return None if any(p is None for p in products) else products
+
+
 def _fp32(norm) -> torch.Tensor | None:
     w = norm.weight
     return w if w.dtype == torch.float32 and w.is_contiguous() else None
@@ -145,21 +220,22 @@ class NativeDecoder:
         self._keep = keep  # tensors the C structs point into (fp32 bias copies), alive as long as this
         self.dims = dims
         self.n_layers = n_layers
-        # products on the w4a8 kernel (`of(..., activations="int8")`)
-        self.w4a8 = sum(q.w4a8 for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        kinds = [q.kind for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.w4a8 = kinds.count(W4A8)  # products on the w4a8 kernel (`of(..., activations="int8")`)
+        self.half = kinds.count(H16)  # fp16 products (a float model at the engine's default precision)
         # the fp32 int4 GEMM loses to dequantize + F.linear from the packs' max_rows on; the w4a8 kernel (integer
         # dot products, 4x fp32's multiply-adds per instruction) wins at any row count, so a stack made only of
-        # w4a8 products also runs a draft's prompt (W4A8_MAX_ROWS bounds its per-call scratch: scores H x M x M)
-        self.runs_prompts = self.w4a8 == 4 * n_layers
-        self.max_rows = W4A8_MAX_ROWS if self.runs_prompts else max_rows
+        # w4a8 products also runs a draft's prompt (W4A8_MAX_ROWS bounds its per-call scratch: scores H x M x M);
+        # the fp16 kernel runs as fast as fbgemm up to the packs' max_rows (fbgemm's own bound), so an all-fp16
+        # stack runs prompts that short too
+        self.runs_prompts = self.w4a8 == 4 * n_layers or self.half == 4 * n_layers
+        self.max_rows = W4A8_MAX_ROWS if self.w4a8 == 4 * n_layers else max_rows
 
     @classmethod
     def of(cls, model, plans, activations: str = "fp32") -> tuple[NativeDecoder | None, str]:
         """The native stack for `model`'s layer plans, or (None, why not). `activations="int8"` (a draft's stack):
         the products run the w4a8 kernel where it is available and its layout holds them (`ACTIVATIONS`, checked
         by `LeanForward.use_activations`)."""
-        from toolkit.engine.lean_forward import Int4N8Pack
-
         if library() is None:
             return None, "the native decoder did not build (no C compiler, no AVX2, or SPECQUANT_NO_KERNELS)"
         config = model.config
@@ -172,23 +248,20 @@ class NativeDecoder:
         layers, keep, max_rows = [], [], None
         for plan in plans:
             qkv, gate_up = plan.qkv, plan.gate_up
-            o, down = _single(plan.o), _single(plan.down)
-            if not (type(qkv) is Int4N8Pack and type(gate_up) is Int4N8Pack and o and down):
-                return None, "not every q,k,v / gate,up / o / down product is int4 on specquant's kernel"
+            if qkv is None or gate_up is None:
+                return None, "no fused q,k,v / gate,up packs (engine.gemm=torch, or a swapped layer)"
+            if len(qkv.sizes) != 3 or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1]:
+                return None, "unexpected fused pack shapes"
+            products = _int4_products(plan, keep, activations) or _half_products(plan, keep)
+            if products is None:
+                return None, ("not every q,k,v / gate,up / o / down product is int4 on specquant's kernel or fp16 "
+                              "on fbgemm with specquant's fp16 kernel available (AVX512F)")
             if plan.act is not F.silu:
                 return None, "an activation that is not SiLU"
             norms = _fp32(plan.input_norm), _fp32(plan.post_norm)
             if any(n is None for n in norms):
                 return None, "norm weights not in fp32"
-            if len(qkv.sizes) != 3 or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1]:
-                return None, "unexpected fused pack shapes"
-            keep += [t for t in (qkv.bias, gate_up.bias, o[3], down[3]) if t is not None]
-            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
-                                 _q4(qkv.codes, qkv.scale, qkv.zero, qkv.bias, qkv.group, keep, activations),
-                                 _q4(*o, keep, activations),
-                                 _q4(gate_up.codes, gate_up.scale, gate_up.zero, gate_up.bias, gate_up.group, keep,
-                                     activations),
-                                 _q4(*down, keep, activations)))
+            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *products))
             max_rows = min(qkv.max_rows, gate_up.max_rows, max_rows or qkv.max_rows)
             keep += [norms[0], norms[1]]
         attn = plans[0].attn

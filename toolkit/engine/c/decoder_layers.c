@@ -1,11 +1,12 @@
-/* A Llama/Qwen2 decoder stack for one sequence in one C call: RMSNorm, fused q,k,v int4 product, rotary, KV cache
- * write, causal attention over the cache, o product, residual, RMSNorm, fused gate,up product, SiLU * up, down
- * product, residual -- for every layer, M new rows at once (a decode step, a speculative verify pass, a short
- * prompt). Driven by toolkit/engine/native_decoder.py, which documents when it runs.
+/* A Llama/Qwen2 decoder stack for one sequence in one C call: RMSNorm, fused q,k,v product, rotary, KV cache write,
+ * causal attention over the cache, o product, residual, RMSNorm, fused gate,up product, SiLU * up, down product,
+ * residual -- for every layer, M new rows at once (a decode step, a speculative verify pass, a short prompt). Driven
+ * by toolkit/engine/native_decoder.py, which documents when it runs.
  *
  * Why: on SmolLM2-135M a decode step through torch spends most of its time around ~40 small operators per layer
- * (each a dispatch, an allocation, a thread fork), not in the weights. Here a layer is four int4 GEMMs (the kernel
- * of toolkit/quant/c/int4_gemm.c, included below) and a few loops over a few thousand floats.
+ * (each a dispatch, an allocation, a thread fork), not in the weights. Here a layer is four GEMMs (int4 weights:
+ * toolkit/quant/c/int4_gemm.c or vnni_gemm.c; fp16 weights, a float model at the engine's default precision:
+ * half_gemm.c; all included below) and a few loops over a few thousand floats.
  *
  * Exactness: the same model in fp32, not bit-identical to torch's operators (sums are taken in another order);
  * the Python side tests it against transformers' forward within fp32 rounding. What it guarantees instead is row
@@ -27,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half_gemm.c"
 #include "int4_gemm.c"
 #include "vnni_gemm.c"
 
@@ -36,7 +38,9 @@ typedef struct {
     const uint8_t *zero;
     const float *bias; /* NULL: none */
     int64_t n, k, g;
-    int64_t w4a8; /* 0: an n8 pack, fp32 activations (int4_gemm.c); 1: a v16 pack, int8 activations (vnni_gemm.c) */
+    /* 0: an n8 pack, fp32 activations (int4_gemm.c); 1: a v16 pack, int8 activations (vnni_gemm.c);
+     * 2: an h16 pack of fp16 weights in `codes` (half_gemm.c; scale, zero and g unused), fp32 activations */
+    int64_t kind;
 } sq_q4;
 
 typedef struct {
@@ -50,7 +54,8 @@ typedef struct {
 } sq_dims;
 
 static int q4(const sq_q4 *w, const float *x, int64_t M, float *y) {
-    if (w->w4a8) return sq_w4a8_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
+    if (w->kind == 2) return sq_f16_linear(x, M, w->k, (const uint16_t *)w->codes, w->bias, w->n, y);
+    if (w->kind == 1) return sq_w4a8_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
     return sq_int4_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
 }
 
@@ -89,6 +94,57 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 #endif
 
+/* e^x, vectorized: x = n ln2 + r (|r| <= ln2 / 2), e^r by its Taylor polynomial to r^6 (truncation < 1e-7
+ * relative), times 2^n. Within a few ulp of expf, and the same function for every element wherever it sits in a row,
+ * so rows stay independent. Scalar expf cost ~0.7 ms a SmolLM2 decode step in SiLU alone (1536 a row and layer). */
+#ifdef __AVX512F__
+static inline __m512 vexp(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+/* p[t] = e^(p[t] - sub), t < n */
+static void exp_shifted(float *p, int64_t n, float sub) {
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 k = tail_mask(n - t);
+        const __m512 v = _mm512_maskz_loadu_ps(k, p + t);
+        _mm512_mask_storeu_ps(p + t, k, vexp(_mm512_sub_ps(v, _mm512_set1_ps(sub))));
+    }
+}
+
+/* a[j] = silu(g[j]) * u[j] = g / (1 + e^-g) * u, j < n */
+static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = tail_mask(n - j);
+        const __m512 gv = _mm512_maskz_loadu_ps(k, g + j);
+        const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        _mm512_mask_storeu_ps(a + j, k, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, u + j)));
+    }
+}
+#else
+static void exp_shifted(float *p, int64_t n, float sub) {
+    for (int64_t t = 0; t < n; t++) p[t] = expf(p[t] - sub);
+}
+
+static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
+    for (int64_t j = 0; j < n; j++) a[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+}
+#endif
+
 /* one query row of one head over keys/values 0..len-1: softmax(q.K * scaling) V into out[hd]; p: len floats */
 static void attend(const float *q, const float *kb, const float *vb, int64_t len, int64_t hd, float scaling,
                    float *p, float *out) {
@@ -97,11 +153,9 @@ static void attend(const float *q, const float *kb, const float *vb, int64_t len
         p[t] = dot(q, kb + t * hd, hd) * scaling;
         if (p[t] > mx) mx = p[t];
     }
+    exp_shifted(p, len, mx);
     float sum = 0.f;
-    for (int64_t t = 0; t < len; t++) {
-        p[t] = expf(p[t] - mx);
-        sum += p[t];
-    }
+    for (int64_t t = 0; t < len; t++) sum += p[t];
     for (int64_t j = 0; j < hd; j++) out[j] = 0.f;
     for (int64_t t = 0; t < len; t++) {
         const float w = p[t];
@@ -156,11 +210,7 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
         for (int64_t i = 0; i < M * d; i++) hidden[i] += proj[i];
         rms_norm(hidden, L->post_norm, M, d, dm->eps, xn);
         if ((rc = q4(&L->gate_up, xn, M, wide))) break;
-        for (int64_t m = 0; m < M; m++) {
-            const float *g = wide + m * 2 * I, *u = g + I;
-            float *a = xn + m * I;
-            for (int64_t j = 0; j < I; j++) a[j] = g[j] / (1.f + expf(-g[j])) * u[j];
-        }
+        for (int64_t m = 0; m < M; m++) silu_mul(wide + m * 2 * I, wide + m * 2 * I + I, xn + m * I, I);
         if ((rc = q4(&L->down, xn, M, proj))) break;
         for (int64_t i = 0; i < M * d; i++) hidden[i] += proj[i];
     }

@@ -1,0 +1,76 @@
+/* y[M,N] = x[M,K] @ W.T (+ bias) for an fp16 W, fp32 activations and accumulation (AVX512F: vcvtph2ps + FMA).
+ *
+ * Layout "h16" (documented in toolkit/quant/half_native.py, packed by half_native.pack): output channels in blocks
+ * of 16, blocks in tiles of 4 (the last tile may hold fewer, nt), each tile stored in the order the kernel reads it:
+ *   w  uint16 (fp16 bits), tile t at element t*4*16*K, ordered [K, nt, 16]: element (k, b, j) = W[16(4t+b)+j, k]
+ * so one 32-byte load is 16 output channels of one input column, and a thread's tiles are one sequential stream.
+ *
+ * The product is the fp16 weight's exact value times the fp32 activation, summed in fp32 by explicit FMAs in input
+ * order: the same model as fbgemm's fp16 GEMM (fp16 weights, fp32 activations), summed in another order. Rows are
+ * independent: a row's sums run in the same order whatever M or the tiling, so a row's result does not depend on
+ * the rows beside it -- what speculative verification needs from a target.
+ *
+ * Constraints (checked by the caller, returned as nonzero here): N % 16 == 0. Without AVX512F the function returns
+ * 2 and the caller keeps fbgemm.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define HALF_INLINE static inline __attribute__((always_inline))
+
+/* tile t: its NB blocks of 16 outputs x R rows; constant loop bounds after inlining */
+HALF_INLINE void htile(const float *x, int64_t K, const uint16_t *w, const float *bias, float *y, int64_t N,
+                       int64_t t, const int NB, const int R) {
+    const uint16_t *wt = w + t * 4 * 16 * K;
+    const int64_t b0 = 4 * t;
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NB; j++) acc[r][j] = bias ? _mm512_loadu_ps(bias + (b0 + j) * 16) : _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const uint16_t *wk = wt + k * NB * 16;
+        __m512 xb[4];
+        for (int r = 0; r < R; r++) xb[r] = _mm512_set1_ps(x[r * K + k]);
+        for (int j = 0; j < NB; j++) {
+            const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wk + j * 16)));
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(wv, xb[r], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NB; j++) _mm512_storeu_ps(y + r * N + (b0 + j) * 16, acc[r][j]);
+}
+
+#define HTILE(NB, R) htile(x + m * K, K, w, bias, y + m * N, N, i, NB, R)
+#define HROWS(NB)                                                \
+    do {                                                         \
+        int64_t m = 0;                                           \
+        for (; m + 4 <= M; m += 4) HTILE(NB, 4);                 \
+        switch (M - m) {                                         \
+            case 3: HTILE(NB, 3); break;                         \
+            case 2: HTILE(NB, 2); break;                         \
+            case 1: HTILE(NB, 1); break;                         \
+            default: break;                                      \
+        }                                                        \
+    } while (0)
+
+int sq_f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y) {
+    if (N % 16 || K <= 0 || M < 0) return 1;
+    const int64_t nblk = N / 16, ntile = (nblk + 3) / 4;
+#pragma omp parallel for schedule(static) if (ntile > 1 && M * N * K > 32768)
+    for (int64_t i = 0; i < ntile; i++) {
+        const int64_t nb = nblk - 4 * i < 4 ? nblk - 4 * i : 4;
+        switch (nb) {
+            case 4: HROWS(4); break;
+            case 3: HROWS(3); break;
+            case 2: HROWS(2); break;
+            default: HROWS(1); break;
+        }
+    }
+    return 0;
+}
+#else
+int sq_f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y) {
+    return 2;
+}
+#endif

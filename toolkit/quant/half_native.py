@@ -1,0 +1,129 @@
+"""specquant's fp16-weight GEMM for x86 CPUs with AVX512F (toolkit/quant/c/half_gemm.c): fp16 weights widened in
+registers, fp32 activations and accumulation, built on first use (`toolkit.cbuild`).
+
+Why: the engine's default float precision is fp16 weights with fp32 activations, which fbgemm's fp16 GEMM runs well
+from torch. The native decoder stack (toolkit/engine/native_decoder.py) runs a whole decode step in one C call and
+needs the same product in C; this kernel is it, and on this machine it is as fast as fbgemm's or faster (`python -m
+toolkit.quant.half_native` prints both: SmolLM2's 960x576 fused q,k,v at a row ~35 against ~48 us). Each output is
+the fp16 weight's exact value times the fp32 activation, summed by explicit FMAs in input order: fbgemm's model, its
+sums in another order. A row's result never depends on the rows beside it (the same operations in the same order
+whatever the number of rows), which is what a speculative verify pass needs from a target.
+
+Packed layout "h16" (made by `pack`): output channels in blocks of 16, blocks in tiles of 4 (the last tile may hold
+fewer, nt), each tile stored in the order the kernel reads it: ``w`` fp16 [N*K], tile t at element t*64*K, ordered
+[K, nt, 16], element (k, b, j) = W[16(4t+b)+j, k]. One 32-byte load is 16 output channels of one input column, and a
+thread's tiles are one sequential stream (the hardware prefetcher follows it). Layers stacked along the output dim
+pack as the stacked weight (fused q,k,v and gate,up).
+
+Constraints: N % 16 == 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from toolkit import cbuild
+from toolkit.quant import int4_native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "c" / "half_gemm.c"
+FLAGS = int4_native.FLAGS  # -ffp-contract=off among them: explicit FMAs only, rows independent
+BLOCK_N = 16
+TILE = 4
+
+
+def load(flags: tuple[str, ...] = tuple(FLAGS)):
+    """Build (once per source, flags and CPU) and load the library; None where it cannot be built or the CPU lacks
+    AVX512F (the function then returns 2: callers keep fbgemm)."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return cbuild.load_kernel(SOURCE, "half-gemm", list(flags), "fp16-weight GEMM kernel", "fp16 layers keep fbgemm",
+                              log, {"sq_f16_linear": [p, i64, i64, p, p, i64, p]}, _self_test)
+
+
+def _self_test(lib) -> str | None:
+    x, y = torch.ones(1, 8), torch.empty(1, 16)
+    w = pack(torch.ones(16, 8, dtype=torch.float16))
+    rc = lib.sq_f16_linear(x.data_ptr(), 1, 8, w.data_ptr(), None, 16, y.data_ptr())
+    if rc == 0 and torch.equal(y, torch.full((1, 16), 8.0)):
+        return None
+    return f"rc {rc}; it needs AVX512F" if rc == 2 else f"rc {rc}"
+
+
+@lru_cache(maxsize=1)
+def kernel():
+    """The loaded library (function ``sq_f16_linear``), or None: see `load`."""
+    return load()
+
+
+def available() -> bool:
+    return kernel() is not None
+
+
+def supports(n: int, k: int) -> bool:
+    return n % BLOCK_N == 0 and k > 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The h16 pack (see the module docstring) of an [N, K] weight, as fp16 (its values rounded to fp16 if wider)."""
+    n, k = weight.shape
+    if not supports(n, k):
+        raise ValueError(f"the h16 layout needs N % {BLOCK_N} == 0, got a {n}x{k} weight")
+    w = weight.detach().to(torch.float16)
+    tiles = []
+    for start in range(0, n, BLOCK_N * TILE):
+        block = w[start:start + BLOCK_N * TILE]
+        nt = block.shape[0] // BLOCK_N
+        tiles.append(block.reshape(nt, BLOCK_N, k).permute(2, 0, 1).reshape(-1))
+    return torch.cat(tiles).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T (+ bias, fp32) for W's h16 pack: [M, n] fp32."""
+    x = x.contiguous()
+    m, k = x.shape
+    if x.dtype != torch.float32 or packed.numel() != n * k:
+        raise ValueError(f"expected fp32 rows of {packed.numel() // max(n, 1)} columns, got {tuple(x.shape)} {x.dtype}")
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    rc = kernel().sq_f16_linear(x.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n,
+                                y.data_ptr())
+    if rc:
+        raise RuntimeError(f"the fp16 GEMM kernel failed (rc {rc})")
+    return y
+
+
+def _bench() -> None:
+    """This kernel against fbgemm's fp16 GEMM on SmolLM2's shapes, weights rotated through copies beyond the caches
+    (median us of 30 calls, alternating)."""
+    import statistics
+    import time
+
+    print(f"{'shape':>12} {'rows':>5} {'specquant h16':>14} {'fbgemm fp16':>12}")
+    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).mul_(0.05).half()
+        copies = max(1, int(64e6 // (n * k * 2)))
+        ours = [pack(w) for _ in range(copies)]
+        theirs = [torch.ops.quantized.linear_prepack_fp16(w.float(), None) for _ in range(copies)]
+        for m in (1, 5, 9, 17):
+            x = torch.randn(m, k)
+            times = {"ours": [], "fbgemm": []}
+            for i in range(30):
+                start = time.perf_counter()
+                linear(x, ours[i % copies], n)
+                times["ours"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                torch.ops.quantized.linear_dynamic_fp16(x, theirs[i % copies])
+                times["fbgemm"].append(time.perf_counter() - start)
+            a, b = (statistics.median(times[key]) * 1e6 for key in ("ours", "fbgemm"))
+            print(f"{f'{n}x{k}':>12} {m:>5} {a:>12.0f} us {b:>9.0f} us")
+
+
+if __name__ == "__main__":
+    if not available():
+        raise SystemExit("the fp16 GEMM kernel is not available here (no compiler or no AVX512F)")
+    _bench()
