@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(library() is None, reason="the native decoder is
                                                           "AVX2, or SPECQUANT_NO_KERNELS is set)")
 
 
-@pytest.fixture(params=["llama-int4", "qwen2-int4", "llama-fp16", "qwen2-fp16"])
-def native_model(request, tiny_llama_dir, tiny_qwen2):
+@pytest.fixture(params=["llama-int4", "qwen2-int4", "llama-fp16", "qwen2-fp16", "wide-fp16", "wide-int4"])
+def native_model(request, tiny_llama_dir, tiny_qwen2, tiny_tokenizer):
     """int4: every decoder Linear an int4 QuantLinear on specquant's kernel (the int4 self-draft of an engine-prepared
     fp32 model: fp16 output head on fbgemm, whose products are row-independent too), under the lean forward. fp16: the
     engine-prepared float model itself (fp16 weights, fp32 activations: the engine default), whose fp16 products the
@@ -32,6 +32,15 @@ def native_model(request, tiny_llama_dir, tiny_qwen2):
     arch, kind = request.param.split("-")
     if arch == "qwen2":
         target = copy.deepcopy(tiny_qwen2)
+    elif arch == "wide":  # head dim 64, SmolLM2's: the stack's attention in registers (attend_zmm)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(3)
+        config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=256, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=True,
+                             pad_token_id=tiny_tokenizer.pad_token_id)
+        target = LlamaForCausalLM(config).eval()
     else:
         target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prepare_model(target, Precision(torch.float32, torch.float16), gemm="fbgemm")

@@ -467,7 +467,7 @@ class LeanForward:
         native = self.native_decoder()
         if native is not None and native.applies(hidden, attention_mask, cache):
             hidden = native.run(hidden, cos[0].contiguous(), sin[0].contiguous(), cache)
-            return self._head(hidden, logits_to_keep)
+            return native.logits(self.model, hidden, logits_to_keep)
         mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
                                   position_ids=position_ids)
         # a quantized cache under a verify pass: rows read it piece by piece (KV cache `read_splits`)

@@ -206,6 +206,18 @@ def _half_products(plan, keep: list) -> tuple[_Q4, ...] | None:
     return None if any(p is None for p in products) else products
 
 
+def _head_pack(model) -> tuple | None:
+    """(h16 pack, out features, fp32 bias or None) of an fp16 output head on fbgemm, run on specquant's fp16 kernel
+    after the stack (as fast as fbgemm at a row, faster at a verify pass's few: SmolLM2's 49152 x 576 head 1585
+    against 1857 us at 5 rows, `python -m toolkit.quant.half_native`), or None: the head runs itself."""
+    head = model.get_output_embeddings()
+    keep: list = []
+    product = _half_product(None, [head], head, keep) if head is not None else None
+    if product is None:
+        return None
+    return keep[0], product.n, keep[1] if len(keep) > 1 else None
+
+
 def _fp32(norm) -> torch.Tensor | None:
     w = norm.weight
     return w if w.dtype == torch.float32 and w.is_contiguous() else None
@@ -214,6 +226,8 @@ def _fp32(norm) -> torch.Tensor | None:
 class NativeDecoder:
     """The C stack's view of a model's layers (built from the lean forward's layer plans, see `of`); `run` advances
     one sequence's hidden states through every layer in one call."""
+
+    head: tuple | None = None  # the output head's h16 product (`_head_pack`), or None: the head runs itself
 
     def __init__(self, layers: list, keep: list, dims: _Dims, max_rows: int, n_layers: int):
         self.layers = (_Layer * n_layers)(*layers)
@@ -271,7 +285,9 @@ class NativeDecoder:
         if any(p.input_norm.variance_epsilon != eps or p.post_norm.variance_epsilon != eps for p in plans):
             return None, "norms with different epsilons"
         dims = _Dims(config.hidden_size, heads, kv_heads, head_dim, plans[0].gate_up.sizes[0], 0, eps, attn.scaling)
-        return cls(layers, keep, dims, max_rows, len(plans)), ""
+        decoder = cls(layers, keep, dims, max_rows, len(plans))
+        decoder.head = _head_pack(model)
+        return decoder, ""
 
     def applies(self, hidden: torch.Tensor, attention_mask, cache) -> bool:
         """Whether this call can run natively (see the module docstring); cheap checks only."""
@@ -292,6 +308,18 @@ class NativeDecoder:
                 or not first.key_buffer.is_contiguous()):
             return False
         return first.length + rows <= first.max_length
+
+    def logits(self, model, hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        """The model's final norm and output head over the stack's output (the last `logits_to_keep` rows; 0: all),
+        the head on specquant's fp16 kernel where `head` is set, else the head module itself."""
+        hidden = model.model.norm.forward(hidden)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        if self.head is None or hidden.dtype != torch.float32:
+            return model.lm_head(hidden)
+        packed, n, bias = self.head
+        batch, rows, d = hidden.shape
+        return half_native.linear(hidden.reshape(batch * rows, d), packed, n, bias).view(batch, rows, n)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
         """hidden [1, M, d] fp32 (consumed: updated in place and returned) through every layer; cos, sin [M,

@@ -166,6 +166,50 @@ static void attend(const float *q, const float *kb, const float *vb, int64_t len
     for (int64_t j = 0; j < hd; j++) out[j] *= inv;
 }
 
+#ifdef __AVX512F__
+/* `attend` for a head dim of C * 16 floats: the query and the weighted value sum held in C registers each, every key
+ * and value read once as C vectors, explicit FMAs (the scalar loop above kept `out` in memory: a load, multiply, add
+ * and store per 16 floats and key). Per row and head the same operations whatever M: rows stay independent. */
+static inline __attribute__((always_inline)) void attend_zmm(const float *q, const float *kb, const float *vb,
+                                                             int64_t len, float scaling, float *p, float *out,
+                                                             const int C) {
+    __m512 qv[8], acc[8];
+    for (int i = 0; i < C; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        const float *k = kb + t * 16 * C;
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int i = 1; i < C; i++) a = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), a);
+        p[t] = _mm512_reduce_add_ps(a) * scaling;
+        if (p[t] > mx) mx = p[t];
+    }
+    exp_shifted(p, len, mx);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; t++) sum += p[t];
+    for (int i = 0; i < C; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const __m512 w = _mm512_set1_ps(p[t]);
+        const float *v = vb + t * 16 * C;
+        for (int i = 0; i < C; i++) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), acc[i]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    for (int i = 0; i < C; i++) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], inv));
+}
+#endif
+
+/* one query row of one head: the register version for head dims of 64 and 128 (SmolLM2, Qwen2.5), else `attend` */
+static void attend_head(const float *q, const float *kb, const float *vb, int64_t len, int64_t hd, float scaling,
+                        float *p, float *out) {
+#ifdef __AVX512F__
+    if (hd == 64 || hd == 128) {
+        if (hd == 64) attend_zmm(q, kb, vb, len, scaling, p, out, 4);
+        else attend_zmm(q, kb, vb, len, scaling, p, out, 8);
+        return;
+    }
+#endif
+    attend(q, kb, vb, len, hd, scaling, p, out);
+}
+
 int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, float *hidden, int64_t M,
                       const float *cos, const float *sin, float *const *kbuf, float *const *vbuf, int64_t start) {
 #ifndef __AVX2__
@@ -203,7 +247,7 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
 #pragma omp parallel for schedule(static) if (H * M * end > 4096)
         for (int64_t hm = 0; hm < H * M; hm++) {
             const int64_t h = hm / M, m = hm % M, kvh = h / group;
-            attend(wide + m * qkvn + h * hd, kc + kvh * cap * hd, vc + kvh * cap * hd, start + m + 1, hd,
+            attend_head(wide + m * qkvn + h * hd, kc + kvh * cap * hd, vc + kvh * cap * hd, start + m + 1, hd,
                    dm->scaling, scores + hm * end, att + m * qn + h * hd);
         }
         if ((rc = q4(&L->o, att, M, proj))) break;

@@ -25,12 +25,12 @@ HALF_INLINE void htile(const float *x, int64_t K, const uint16_t *w, const float
                        int64_t t, const int NB, const int R) {
     const uint16_t *wt = w + t * 4 * 16 * K;
     const int64_t b0 = 4 * t;
-    __m512 acc[4][4];
+    __m512 acc[6][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < NB; j++) acc[r][j] = bias ? _mm512_loadu_ps(bias + (b0 + j) * 16) : _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const uint16_t *wk = wt + k * NB * 16;
-        __m512 xb[4];
+        __m512 xb[6]; /* each row's activation broadcast once per column, reused over the NB blocks */
         for (int r = 0; r < R; r++) xb[r] = _mm512_set1_ps(x[r * K + k]);
         for (int j = 0; j < NB; j++) {
             const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wk + j * 16)));
@@ -42,11 +42,15 @@ HALF_INLINE void htile(const float *x, int64_t K, const uint16_t *w, const float
 }
 
 #define HTILE(NB, R) htile(x + m * K, K, w, bias, y + m * N, N, i, NB, R)
+/* up to 6 rows per pass over a tile: a pass costs about the same with 1 row as with 6 (each weight is loaded and
+ * widened once per pass), so a verify pass of 5 rows reads its weights once, not twice */
 #define HROWS(NB)                                                \
     do {                                                         \
         int64_t m = 0;                                           \
-        for (; m + 4 <= M; m += 4) HTILE(NB, 4);                 \
+        for (; m + 6 <= M; m += 6) HTILE(NB, 6);                 \
         switch (M - m) {                                         \
+            case 5: HTILE(NB, 5); break;                         \
+            case 4: HTILE(NB, 4); break;                         \
             case 3: HTILE(NB, 3); break;                         \
             case 2: HTILE(NB, 2); break;                         \
             case 1: HTILE(NB, 1); break;                         \
