@@ -549,7 +549,7 @@ def test_attention_view_from_any_slot_is_what_the_whole_read_gives_there(kind, e
                                         ("int8", {"hierarchical": True})])
 def test_a_pass_read_in_pieces_gives_each_row_its_one_token_steps_reading(kind, extra):
     """A verify pass on a quantized cache (`stepwise_reads`) is cut where the reading bounds move (`read_splits`),
-    and a later piece reads only what the flush in between changed (`update(continues=True)`): bit for bit the
+    and a later piece reads only what the flush in between changed (`update(continues_from=...)`): bit for bit the
     whole read a fresh update at that length gives, and each piece's rows see what one-token steps would."""
     cfg = quant_config({"kind": kind, "residual": 8, "group_size": 16, **extra})  # flushes every 8, groups of 16
     gen = torch.Generator().manual_seed(5)
@@ -566,8 +566,9 @@ def test_a_pass_read_in_pieces_gives_each_row_its_one_token_steps_reading(kind, 
         assert splits == [j for j in range(1, 7) if bounds[j] != bounds[j - 1]]
         cut += bool(splits)
         edges = [0, *splits, 7]
-        for a, b in zip(edges, edges[1:]):
-            got = pieces.update(k[:, :, length + a:length + b], v[:, :, length + a:length + b], 0, continues=a > 0)
+        for prev, a, b in zip([0, *edges], edges, edges[1:]):
+            got = pieces.update(k[:, :, length + a:length + b], v[:, :, length + a:length + b], 0,
+                                continues_from=length + prev if a else None)
             want = whole.update(k[:, :, length + a:length + b], v[:, :, length + a:length + b], 0)
             assert all(torch.equal(g, w) for g, w in zip(got, want)), (length, a, b)
             step = _qc(1, 96, cfg)  # one-token steps up to the piece's first row read the same cache

@@ -140,21 +140,19 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
 def _attend_in_pieces(attention, attn, q, k, v, mask, cache, splits: list[int]) -> torch.Tensor:
     """Attention of a pass whose rows must read the cache as one-token steps would (`read_splits`): the cache is
     updated with each piece's keys and values in turn and the piece's rows attend over what that update returns,
-    under their rows of the pass's causal mask. The products around attention still run the whole pass at once."""
+    under their rows of the pass's causal mask. The products around attention still run the whole pass at once.
+    Such a pass has cached tokens and several new ones, so transformers always builds its mask (it leaves it out
+    only for one new token or an empty cache)."""
     past = cache.layers[attn.layer_idx].get_seq_length()
     edges = [0, *splits, q.shape[2]]
     outs = []
-    for a, b in zip(edges, edges[1:]):
+    for prev, a, b in zip([None, *edges], edges, edges[1:]):
         passed = {}
-        # a later piece reads again only what the flush in between changed (QuantizedKVLayer.update)
-        keys, values = cache.update(k[:, :, a:b], v[:, :, a:b], attn.layer_idx, kwargs=passed, continues=a > 0)
-        if mask is not None:
-            rows_mask = mask[:, :, a:b, :past + b]
-        else:  # a pass transformers left unmasked (plain causal): the rows' causal mask, explicit
-            slots = torch.arange(past + b, device=q.device)
-            rows_mask = slots[None, :] <= torch.arange(past + a, past + b, device=q.device)[:, None]
-        out, _ = attention(attn, q[:, :, a:b], keys, values, rows_mask, dropout=0.0, scaling=attn.scaling,
-                           **passed)
+        # a later piece reads again only what the flush since the previous piece's read changed
+        keys, values = cache.update(k[:, :, a:b], v[:, :, a:b], attn.layer_idx, kwargs=passed,
+                                    continues_from=None if prev is None else past + prev)
+        out, _ = attention(attn, q[:, :, a:b], keys, values, mask[:, :, a:b, :past + b], dropout=0.0,
+                           scaling=attn.scaling, **passed)
         outs.append(out)
     return torch.cat(outs, dim=1)
 
@@ -467,7 +465,7 @@ class LeanForward:
         native = self.native_decoder()
         if native is not None and native.applies(hidden, attention_mask, cache):
             hidden = native.run(hidden, cos[0].contiguous(), sin[0].contiguous(), cache)
-            return native.logits(self.model, hidden, logits_to_keep)
+            return self._head(hidden, logits_to_keep, native)
         mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
                                   position_ids=position_ids)
         # a quantized cache under a verify pass: rows read it piece by piece (KV cache `read_splits`)
@@ -507,11 +505,14 @@ class LeanForward:
             hidden = hidden + _linear(plan.down, plan.act(gate) * up, rows)
         return self._head(hidden, logits_to_keep)
 
-    def _head(self, hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    def _head(self, hidden: torch.Tensor, logits_to_keep: int, native=None) -> torch.Tensor:
+        """The final norm and the output head over the last `logits_to_keep` rows (0: all); after the native stack,
+        its own run of the head where it has one (`NativeDecoder.head_logits`)."""
         hidden = self.model.model.norm.forward(hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
-        return self.model.lm_head(hidden)
+        logits = native.head_logits(hidden) if native is not None else None
+        return self.model.lm_head(hidden) if logits is None else logits
 
 
 FORWARDS = ("auto", "native", "lean", "transformers")

@@ -114,10 +114,10 @@ def _q4(codes, scale, zero, bias, group: int, keep: list, activations: str = "fp
     return _Q4(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), _ptr(bias), n, k, group, N8)
 
 
-def _h16(weights: list[torch.Tensor], biases: list[torch.Tensor | None], owner, keep: list) -> _Q4 | None:
-    """The struct of the product of fp16 `weights` stacked along the output dim (their biases too), on an h16 pack
-    made once and kept on `owner` while it holds these very weights (plans are rebuilt often, packs once); None where
-    the kernel is unavailable or the layout cannot hold it."""
+def _h16_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], owner) -> tuple | None:
+    """(h16 pack, fp32 bias or None) of fp16 `weights` stacked along the output dim (their biases too), made once and
+    kept on `owner` while it holds these very weights (plans are rebuilt often, packs once); None where the kernel is
+    unavailable or the layout cannot hold them."""
     if not half_native.available() or any(w.dtype != torch.float16 for w in weights):
         return None
     n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
@@ -132,9 +132,7 @@ def _h16(weights: list[torch.Tensor], biases: list[torch.Tensor | None], owner, 
         packed = half_native.pack(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0])
         cached = (tuple(weights), packed, bias)
         owner.specquant_h16 = cached
-    _, packed, bias = cached
-    keep += [t for t in (packed, bias) if t is not None]
-    return _Q4(packed.data_ptr(), None, None, _ptr(bias), n, k, 0, H16)
+    return cached[1], cached[2]
 
 
 def _half_product(pack, modules: list, owner, keep: list) -> _Q4 | None:
@@ -149,7 +147,13 @@ def _half_product(pack, modules: list, owner, keep: list) -> _Q4 | None:
         return None
     if pack is None and getattr(modules[0], "fbgemm_fp16", None) is None:  # a fused pack took over its layers' own
         return None
-    return _h16([m.weight for m in modules], [m.bias for m in modules], owner, keep)
+    made = _h16_pack([m.weight for m in modules], [m.bias for m in modules], owner)
+    if made is None:
+        return None
+    packed, bias = made
+    keep += [t for t in made if t is not None]
+    return _Q4(packed.data_ptr(), None, None, _ptr(bias), sum(m.weight.shape[0] for m in modules),
+               modules[0].weight.shape[1], 0, H16)
 
 
 W4A8_MAX_ROWS = 2048
@@ -207,15 +211,15 @@ def _half_products(plan, keep: list) -> tuple[_Q4, ...] | None:
 
 
 def _head_pack(model) -> tuple | None:
-    """(h16 pack, out features, fp32 bias or None) of an fp16 output head on fbgemm, run on specquant's fp16 kernel
-    after the stack (as fast as fbgemm at a row, faster at a verify pass's few: SmolLM2's 49152 x 576 head 1585
-    against 1857 us at 5 rows, `python -m toolkit.quant.half_native`), or None: the head runs itself."""
+    """(h16 pack, fp32 bias or None) of an fp16 output head on fbgemm, run on specquant's fp16 kernel after the
+    stack (as fast as fbgemm at a row, faster at a verify pass's few: SmolLM2's 49152 x 576 head 1639 against
+    1997 us at 5 rows, `python -m toolkit.quant.half_native`), or None: the head runs itself."""
+    from toolkit.engine.precision import HalfStorageLinear
+
     head = model.get_output_embeddings()
-    keep: list = []
-    product = _half_product(None, [head], head, keep) if head is not None else None
-    if product is None:
+    if type(head) is not HalfStorageLinear or getattr(head, "fbgemm_fp16", None) is None:
         return None
-    return keep[0], product.n, keep[1] if len(keep) > 1 else None
+    return _h16_pack([head.weight], [head.bias], head)
 
 
 def _fp32(norm) -> torch.Tensor | None:
@@ -227,7 +231,7 @@ class NativeDecoder:
     """The C stack's view of a model's layers (built from the lean forward's layer plans, see `of`); `run` advances
     one sequence's hidden states through every layer in one call."""
 
-    head: tuple | None = None  # the output head's h16 product (`_head_pack`), or None: the head runs itself
+    head: tuple | None = None  # (h16 pack, bias) of the output head (`_head_pack`), or None: the head runs itself
 
     def __init__(self, layers: list, keep: list, dims: _Dims, max_rows: int, n_layers: int):
         self.layers = (_Layer * n_layers)(*layers)
@@ -309,17 +313,15 @@ class NativeDecoder:
             return False
         return first.length + rows <= first.max_length
 
-    def logits(self, model, hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        """The model's final norm and output head over the stack's output (the last `logits_to_keep` rows; 0: all),
-        the head on specquant's fp16 kernel where `head` is set, else the head module itself."""
-        hidden = model.model.norm.forward(hidden)
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:, :]
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The output head over normed hidden states [B, M, d] on specquant's fp16 kernel where `head` is set (and
+        the rows fp32), else None: the head module runs."""
         if self.head is None or hidden.dtype != torch.float32:
-            return model.lm_head(hidden)
-        packed, n, bias = self.head
+            return None
+        packed, bias = self.head
         batch, rows, d = hidden.shape
-        return half_native.linear(hidden.reshape(batch * rows, d), packed, n, bias).view(batch, rows, n)
+        return half_native.linear(hidden.reshape(batch * rows, d), packed, packed.numel() // d, bias).view(
+            batch, rows, -1)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
         """hidden [1, M, d] fp32 (consumed: updated in place and returned) through every layer; cos, sin [M,

@@ -66,6 +66,11 @@ class KVQuantConfig:
         VALUE_FLUSH - 1 more."""
         return self.rollback + VALUE_FLUSH - 1 if self.crop_shadow and self.rollback else 0
 
+    def reading_bounds(self, length: int) -> tuple[int, int]:
+        """(flushed_tokens, flushed_values) at `length`: below the first slot keys are read from groups, below the
+        second values are read quantized (and keys staged). Both only grow with the length."""
+        return self.flushed_tokens(length), self.flushed_values(length)
+
     def flushed_tokens(self, length: int) -> int:
         """Keys held in groups when `length` are cached: the largest whole number of groups leaving at least
         `residual` tokens out (the rest of the flushed keys are staged per token). A function of the length alone,

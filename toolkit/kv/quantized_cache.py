@@ -68,7 +68,6 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.v_quantized = 0  # values quantized, and keys quantized at all (groups + staging): Tv
         self.shadow_n = 0  # the shadows' last shadow_n rows hold the originals of keys/values [Tv - n, Tv)
         self.ring_floor = 0  # the ring holds the INT8 codes of every key in [ring_floor, Tv)
-        self._last_read: tuple[int, int, int] | None = None  # (Tk, Tv, end) of the latest read, for `continues`
 
     # ---- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -229,31 +228,28 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     # ---- the Cache layer interface --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, hi_only: bool = False,
-               continues: bool = False, **kwargs):
-        """`continues`: the next piece of a pass read in pieces (`QuantizedKVCache.read_splits`), right after this
-        layer's previous piece, whose reading is still in the workspace: only the slots the flush in between
-        changed are read again."""
+               continues_from: int | None = None, **kwargs):
+        """`continues_from`: this call is the next piece of a pass read in pieces (`QuantizedKVCache.read_splits`),
+        right after this layer's previous piece, which read the cache at that length and whose reading is still in
+        the workspace: only the slots the flush in between changed are read again."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[-2]
         if self.length + t > self.max_length:
             raise RuntimeError(f"KV cache overflow: {self.length + t} tokens > max_length {self.max_length}")
-        if continues and self._last_read is not None and self.cfg.dequant != "cached" and not hi_only:
-            keys, values = self._read_on(key_states, value_states)
+        # an empty cache's read is the new tokens themselves, not the workspace: nothing to continue from there
+        if continues_from and self.cfg.dequant != "cached" and not hi_only:
+            keys, values = self._read_on(key_states, value_states, continues_from)
         else:
             keys, values = self._read(key_states, value_states, hi_only)
-        # an empty cache's read is the new tokens themselves, not the workspace: nothing to continue from
-        self._last_read = (self.quantized, self.v_quantized, self.length + t) if self.length else None
         self._append(key_states, value_states)
         return keys, values
 
-    def _read_on(self, k_new, v_new):
-        """`_read`'s values from the workspace left by this layer's previous read, the one at the end of the
-        previous piece: the flush since moved keys [Tk_then, Tk) from staging into groups and keys and values
-        [Tv_then, Tv) out of the window, so slots from the lower of those on are read again, the rest kept."""
-        tk, tv, end_then = self._last_read
-        if end_then != self.length:
-            raise RuntimeError(f"a continued read at {self.length} tokens after a read that ended at {end_then}")
+    def _read_on(self, k_new, v_new, then: int):
+        """`_read`'s values from the workspace left by this layer's read at length `then` (the previous piece's):
+        the flush since moved keys [Tk_then, Tk) from staging into groups and keys and values [Tv_then, Tv) out of
+        the window, so slots from the lower of those on are read again, the rest kept."""
+        tk, tv = self.cfg.reading_bounds(then)
         keys, values = self.workspace.get(k_new, self.max_length)
         end = self.length + k_new.shape[-2]
         keys, values = keys[:, :, :end], values[:, :, :end]
@@ -523,11 +519,7 @@ class QuantizedKVCache(LayeredKVCache):
         Empty otherwise (a prompt's pass reads as at its start, as in KIVI)."""
         if not self.stepwise_reads or tokens < 2:
             return []
-        cfg, start = self.cfg, self.length
-
-        def bounds(n: int) -> tuple[int, int]:
-            return cfg.flushed_tokens(n), cfg.flushed_values(n)
-
+        bounds, start = self.cfg.reading_bounds, self.length
         return [j for j in range(1, tokens) if bounds(start + j) != bounds(start + j - 1)]
 
     @classmethod

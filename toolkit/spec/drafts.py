@@ -131,7 +131,7 @@ def _reading_bounds(cache, length: int) -> tuple[int, int]:
     `quantized` and `v_quantized`, functions of the length alone); a full-precision cache reads every slot as
     written (`length`)."""
     cfg = getattr(cache.layers[0], "cfg", None)
-    return (length, length) if cfg is None else (cfg.flushed_tokens(length), cfg.flushed_values(length))
+    return (length, length) if cfg is None else cfg.reading_bounds(length)
 
 
 class ModelDraft:
