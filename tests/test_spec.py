@@ -51,6 +51,10 @@ def _drafts(model, tokenizer, other):
         # the spec=self defaults: the target's keys and values (one sequence; a batch keeps its own), int8 head
         "self-shared-kv": lambda: build_draft({"kind": "self", "bits": 4, "group_size": 32, "share_kv": True,
                                                "act_bits": 8, "head_bits": 8, "head_group_size": 32}, model, tokenizer),
+        # spec.head_vocab: the head over the 64 most frequent tokens of the offline text + the context's own
+        "self-subset-head": lambda: build_draft({"kind": "self", "bits": 4, "group_size": 32, "share_kv": True,
+                                                 "act_bits": 8, "head_bits": 8, "head_group_size": 32,
+                                                 "head_vocab": 64}, model, tokenizer),
         "other-model": lambda: ModelDraft(other, target_tokenizer=tokenizer, draft_tokenizer=tokenizer,
                                           target_vocab=model.get_output_embeddings().weight.shape[0]),
     }
@@ -75,7 +79,7 @@ def _ids(result):
 
 
 @pytest.mark.parametrize("draft_name", ["lookup", "lookup-scaled", "self-int4-1layer", "self-all-layers", "other-model",
-                                        "self-int4-head", "self-shared-kv"])
+                                        "self-int4-head", "self-shared-kv", "self-subset-head"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_greedy_output_is_the_target_alone_one_sequence_at_a_time(llama_and_gemma, arch, draft_name):
     llama, gemma, tok = llama_and_gemma
@@ -90,7 +94,7 @@ def test_greedy_output_is_the_target_alone_one_sequence_at_a_time(llama_and_gemm
 
 
 @pytest.mark.parametrize("draft_name", ["lookup", "lookup-scaled", "self-int4-1layer", "self-all-layers", "other-model",
-                                        "self-shared-kv"])
+                                        "self-shared-kv", "self-subset-head"])
 def test_a_batch_keeps_different_lengths_per_row_and_equals_each_row_alone(llama_and_gemma, draft_name):
     llama, gemma, tok = llama_and_gemma
     prompts = _prompts(6)
@@ -442,6 +446,83 @@ def test_a_drafts_quantized_head_is_its_own_and_close_to_the_float_one(llama_and
         quantize_draft_head(draft, 3, 32)
     with pytest.raises(InputError, match="head_group_size"):
         quantize_draft_head(build_self_draft(llama, layers=1), 4, 48)
+
+
+def test_frequent_tokens_rank_the_offline_text_deterministically(tiny_tokenizer):
+    from toolkit.spec.draft_vocab import frequent_tokens, token_ranking
+
+    vocab = len(tiny_tokenizer)
+    ranking = token_ranking(tiny_tokenizer)
+    assert ranking[:len(tiny_tokenizer.all_special_ids)] == sorted(tiny_tokenizer.all_special_ids)
+    assert len(set(ranking)) == len(ranking) and all(0 <= t < vocab for t in ranking)
+    ids = frequent_tokens(tiny_tokenizer, 128, vocab)
+    assert ids.tolist() == sorted(ranking[:128]) and len(ids) % 64 == 0
+    assert frequent_tokens(tiny_tokenizer, 128, vocab).equal(ids)  # a function of the tokenizer alone
+    # the most frequent ids of the text are in: the space-led "the" of prose, the newline of code
+    for text in (" the", "\n"):
+        assert all(t in ids for t in tiny_tokenizer(text).input_ids)
+    assert frequent_tokens(tiny_tokenizer, vocab, vocab) is None
+    with pytest.raises(InputError, match="head_vocab"):
+        frequent_tokens(tiny_tokenizer, 0, vocab)
+
+
+def test_a_subset_head_scores_its_tokens_and_the_contexts_as_the_full_heads_do(llama_and_gemma):
+    from toolkit.spec.draft_vocab import SubsetHead
+
+    llama, _, tok = llama_and_gemma
+    full = build_self_draft(llama, layers=1, bits=4, group_size=32)
+    quantize_draft_head(full, 8, 32)
+    draft = build_self_draft(llama, layers=1, bits=4, group_size=32)
+    ids = torch.arange(0, 128, 2)
+    quantize_draft_head(draft, 8, 32, vocab=ids)
+    head = draft.lm_head
+    assert isinstance(head, SubsetHead) and head.vocab_ids.equal(ids)
+    assert describe(draft).endswith("int8 head over 64 frequent tokens + the context's")
+    hidden = torch.randn(3, 64)
+    float_head = llama.get_output_embeddings()
+    with torch.no_grad():
+        # the frequent rows are the full quantized head's rows (the same per-channel codes), bit for bit
+        assert torch.equal(head(hidden), full.lm_head(hidden)[:, ids])
+        head.include([5, 6, 300, 5, 10_000])  # 6 is in already, 10_000 is no row of this head
+        assert head.vocab_ids.tolist() == ids.tolist() + [5, 300]
+        got = head(hidden)
+        assert torch.equal(got[:, :64], full.lm_head(hidden)[:, ids])
+        assert torch.allclose(got[:, 64:], float_head(hidden)[:, [5, 300]], atol=1e-5)  # the float rows
+        head.reset()
+        assert head.vocab_ids.equal(ids) and head(hidden).shape == (3, 64)
+    with pytest.raises(InputError, match="head_vocab"):
+        build_draft({"kind": "self", "bits": 4, "group_size": 32, "head_bits": None, "head_vocab": 64}, llama, tok)
+    # proposals are token ids, not the subset's column numbers: a draft of the target's own layers whose subset
+    # holds the tokens the target emits is mostly kept
+    prompts = _prompts(4)
+    emitted = sorted({t for ids in _ids(generate(llama, tok, prompts, 24, stop_tokens=set())) for t in ids})
+    emitted += [t for t in range(512) if t not in emitted][:-len(emitted) % 16 or 0]  # whole tiles of 16 rows
+    close = build_self_draft(llama, bits=None)
+    quantize_draft_head(close, 8, 32, vocab=torch.tensor(sorted(emitted)))
+    out = speculative_generate(llama, tok, prompts, 24, ModelDraft(close), DraftLength(4), stop_tokens=set())
+    assert out.stats.acceptance_rate > 0.7, out.stats.summary()
+
+
+def test_sampled_speculation_with_a_subset_head_matches_target_only_sampling(llama_and_gemma):
+    """A draft whose head cannot propose some of the target's likely tokens (q = 0 there) still samples exactly the
+    target's distribution: rejection sampling resamples from max(p - q, 0), which covers the tokens q misses."""
+    llama, _, tok = llama_and_gemma
+    params = SamplingParams(temperature=1.5, top_k=2, seed=0)
+    prompt = tok(_prompts(3)[2]).input_ids
+    with torch.inference_mode():
+        top = probabilities(llama(torch.tensor([prompt])).logits[0, -1], params).nonzero().flatten().tolist()
+    outside = [t for t in top if t not in prompt]
+    assert outside  # the test needs a likely first token that the context does not hold
+    model = build_self_draft(llama, bits=4, group_size=32)
+    vocab = llama.get_output_embeddings().weight.shape[0]
+    keep = torch.tensor([t for t in range(vocab) if t not in outside])
+    quantize_draft_head(model, 8, 32, vocab=keep[:len(keep) // 16 * 16])
+    draft = ModelDraft(model, params, target_vocab=vocab)
+    out = speculative_generate(llama, tok, [prompt] * 1500, 3, draft, DraftLength(2), params, stop_tokens=set())
+    assert 0 < out.stats.accepted < out.stats.proposed
+    samples = [tuple(s.token_ids) for s in out.sequences]
+    assert any(s[0] in outside for s in samples)  # the target's token the draft could not propose came out
+    _assert_target_distribution(samples, llama, prompt, params)
 
 
 def test_transformers_assisted_lookup_peer_runs_greedy_and_matches_its_plain_generate(tiny_llama_dir):

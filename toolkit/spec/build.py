@@ -59,7 +59,7 @@ def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = N
         bits = _get(spec_cfg, "bits", 4)
         model = build_self_draft(target, _get(spec_cfg, "layers"), None if bits in (None, 0, 16) else int(bits),
                                  int(_get(spec_cfg, "group_size", 64)))
-        _draft_head(spec_cfg, model)
+        _draft_head(spec_cfg, model, tokenizer)
         _draft_activations(spec_cfg, model)
         return ModelDraft(model, share_kv=bool(_get(spec_cfg, "share_kv", False)), **common)
     name = _get(spec_cfg, "model")
@@ -71,7 +71,7 @@ def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = N
     if engine_cfg is None:
         raise InputError("spec=draft needs the engine config to load its model", "pass engine_cfg")
     loaded = load_engine_model(str(name), engine_cfg)
-    _draft_head(spec_cfg, loaded.model)
+    _draft_head(spec_cfg, loaded.model, tokenizer)
     _draft_activations(spec_cfg, loaded.model)
     return ModelDraft(loaded.model, target_tokenizer=tokenizer, draft_tokenizer=loaded.tokenizer, **common)
 
@@ -86,13 +86,21 @@ def _act_bits(spec_cfg) -> int | None:
     return 8
 
 
-def _draft_head(spec_cfg, model) -> None:
-    """spec.head_bits: the draft's own RTN-quantized output head (toolkit/spec/draft_head.py)."""
+def _draft_head(spec_cfg, model, tokenizer) -> None:
+    """spec.head_bits: the draft's own RTN-quantized output head (toolkit/spec/draft_head.py); spec.head_vocab: over
+    the most frequent tokens only (toolkit/spec/draft_vocab.py)."""
     bits = _get(spec_cfg, "head_bits")
-    if bits not in (None, 0, 16):
-        from toolkit.spec.draft_head import quantize_draft_head
+    size = _get(spec_cfg, "head_vocab")
+    if bits in (None, 0, 16):
+        if size:
+            raise InputError(f"spec.head_vocab={size} needs the draft's own quantized head",
+                             "set spec.head_bits=8 (or 4), or spec.head_vocab=null")
+        return
+    from toolkit.spec.draft_head import quantize_draft_head
+    from toolkit.spec.draft_vocab import frequent_tokens
 
-        quantize_draft_head(model, int(bits), int(_get(spec_cfg, "head_group_size", 64)), _act_bits(spec_cfg))
+    vocab = frequent_tokens(tokenizer, int(size), _vocab(model)) if size else None
+    quantize_draft_head(model, int(bits), int(_get(spec_cfg, "head_group_size", 64)), _act_bits(spec_cfg), vocab)
 
 
 def _draft_activations(spec_cfg, model) -> None:

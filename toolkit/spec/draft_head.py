@@ -10,15 +10,22 @@ float head; a tied embedding stays float (only the head's product is replaced).
 
 from __future__ import annotations
 
+import torch
+
 from toolkit.errors import InputError
 
 HEAD_BITS = (4, 8)
 
 
-def quantize_draft_head(model, bits: int, group_size: int, act_bits: int | None = None) -> None:
+def quantize_draft_head(model, bits: int, group_size: int, act_bits: int | None = None,
+                        vocab: torch.Tensor | None = None) -> None:
     """Replace `model`'s output head with an RTN `bits`-bit QuantLinear (asymmetric, `group_size` columns a group for
     4 bits; 8 bits are symmetric per channel, the layout the int8 GEMM runs). With `act_bits=8` a `VnniLinear`
-    instead (int8 activations in groups of `group_size`, AVX512-VNNI) where the CPU and the shape allow it."""
+    instead (int8 activations in groups of `group_size`, AVX512-VNNI) where the CPU and the shape allow it.
+
+    `vocab` (sorted token ids, `toolkit.spec.draft_vocab`): the quantized head keeps only those rows, inside a
+    `SubsetHead` that also scores the context's other tokens from the float weight; its `vocab_ids` map the
+    logits' columns back to tokens."""
     from toolkit.quant.primitives import QuantConfig
     from toolkit.quant.qlinear import QuantLinear
     from toolkit.quant.rtn import rtn_quantize
@@ -30,18 +37,29 @@ def quantize_draft_head(model, bits: int, group_size: int, act_bits: int | None 
     if weight is None or weight.dim() != 2:
         raise InputError(f"the draft's output head ({type(head).__name__}) has no float weight to quantize",
                          "leave spec.head_bits=null")
+    source = weight.detach()
+    if vocab is not None:
+        weight = weight[vocab]
     in_features = weight.shape[1]
     if bits == 4 and in_features % group_size:
         raise InputError(f"spec.head_group_size {group_size} does not divide the head's input width {in_features}",
                          "pick one that does (SmolLM2: 64; Qwen2.5: 128)")
     config = (QuantConfig(bits=4, group_size=group_size, symmetric=False) if bits == 4
               else QuantConfig(bits=8, group_size=-1, symmetric=True))
-    bias = getattr(head, "bias", None)
+    bias = full_bias = getattr(head, "bias", None)
+    if bias is not None and vocab is not None:
+        bias = bias[vocab]
     qw = rtn_quantize(weight.detach().float(), config, None if bias is None else bias.detach().float())
+    head = None
     if act_bits == 8 and weight.device.type == "cpu":
         from toolkit.quant import vnni
 
         if vnni.available() and vnni.supports(weight.shape[0], in_features, group_size):
-            model.lm_head = vnni.VnniLinear.from_quantized(qw, act_group=group_size)
-            return
-    model.lm_head = QuantLinear.from_quantized(qw, weight.device)
+            head = vnni.VnniLinear.from_quantized(qw, act_group=group_size)
+    if head is None:
+        head = QuantLinear.from_quantized(qw, weight.device)
+    if vocab is not None:
+        from toolkit.spec.draft_vocab import SubsetHead
+
+        head = SubsetHead(head, vocab, source, None if bias is None else full_bias.detach())
+    model.lm_head = head

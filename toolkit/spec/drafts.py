@@ -163,6 +163,9 @@ class ModelDraft:
         self.state: RaggedBatch | None = None
         self.share_kv = share_kv
         self.target: RaggedBatch | None = None  # the target's batch whose cache this draft reads (`share_kv`)
+        # a head over a token subset (`spec.head_vocab`, spec/draft_vocab.py): its logits' columns are its vocab_ids
+        head = model.get_output_embeddings()
+        self.subset = head if hasattr(head, "vocab_ids") else None
 
     def reset(self, target: RaggedBatch, capacity: int) -> None:
         from toolkit.engine.kv_cache import ContiguousKVCache
@@ -181,6 +184,9 @@ class ModelDraft:
                   and len(cache.layers) <= len(target.cache.layers))
         self.target = target if shares else None
         self._round = None
+        if self.subset is not None:
+            self.subset.reset()
+        self.scored = [0] * batch  # per row: context tokens the subset head has been offered (`include`)
 
     def _sync(self) -> None:
         """Make the draft's cache the target's for every verified token: drop the draft's own keys and values past
@@ -208,9 +214,9 @@ class ModelDraft:
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (checkpoints pad embedding tables to different sizes; the
-        padding is no token, so it gets -inf)."""
+        padding is no token, so it gets -inf); a head over a token subset keeps its own columns (mapped back to tokens in `propose`)."""
         n = self.target_vocab
-        if n is None or logits.shape[-1] == n:
+        if n is None or logits.shape[-1] == n or self.subset is not None:
             return logits
         if logits.shape[-1] > n:
             return logits[..., :n]
@@ -223,6 +229,10 @@ class ModelDraft:
         if self.target is not None and active[0]:
             self._sync()
         state.mark()
+        if self.subset is not None:  # the context's own tokens join the subset head's (a name, once seen, recurs)
+            for i, ctx in enumerate(contexts):
+                self.subset.include(ctx[self.scored[i]:])
+                self.scored[i] = len(ctx)
         # catch up: feed what the draft has not seen (the last round's correction, and the last draft token when
         # all were accepted); a finished row feeds a pad that it never keeps
         first = [ctx[self.fed[i]:] if active[i] else [state.pad_id] for i, ctx in enumerate(contexts)]
@@ -237,6 +247,12 @@ class ModelDraft:
                 q = probabilities(logits, self.sampling)
                 chosen = (logits.argmax(-1) if self.sampling.greedy
                           else torch.multinomial(q, 1, generator=self.generator).squeeze(-1))
+                if self.subset is not None:  # subset columns -> token ids; q over the target's vocabulary
+                    ids = self.subset.vocab_ids
+                    chosen = ids[chosen]
+                    if not self.sampling.greedy:
+                        vocab = self.target_vocab or self.subset.source.shape[0]
+                        q = q.new_zeros(q.shape[0], vocab).index_copy_(1, ids, q)
                 confidence = logits.softmax(-1).amax(-1) if self.min_confidence > 0 else None
                 steps += 1
                 for i in range(batch):

@@ -114,10 +114,15 @@ def describe(draft) -> str:
     from toolkit.quant.vnni import VnniLinear
 
     head = draft.get_output_embeddings()  # spec.head_bits: a QuantLinear, or a VnniLinear with spec.act_bits=8
+    subset = getattr(head, "ids", None) if hasattr(head, "vocab_ids") else None  # spec.head_vocab: a SubsetHead
+    if subset is not None:
+        head = head.main
     if isinstance(head, VnniLinear):
         head = f", int{head.bits} head (int8 activations)"
     else:
         head = f", int{head.bits} head" if isinstance(head, QuantLinear) else ""
+    if subset is not None:
+        head += f" over {len(subset)} frequent tokens + the context's"
     forward = draft.__dict__.get("forward")
     native = forward.native_decoder() if isinstance(forward, LeanForward) else None
     acts = ", int8 activations" if native is not None and native.w4a8 else ""  # spec.act_bits
