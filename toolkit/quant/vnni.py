@@ -202,7 +202,9 @@ def reference(x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: 
         xg = x2[:, k0:k0 + group_size]
         amax = xg.abs().amax(-1, keepdim=True)
         xs = amax / 127
-        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        # a tensor divided by a tensor: IEEE division, as the kernel's 127.f / m (torch computes a number divided
+        # by a tensor as the number times the reciprocal, 1 ulp off at times, which flips a tie x * inv = n + 0.5)
+        inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
         xq = torch.round(xg * inv).clamp(-127, 127).to(torch.int64)
         dots = xq @ codes[:, k0:k0 + group_size].to(torch.int64).t()  # exact
         t = dots.float() - zero[:, g].float() * xq.sum(-1, keepdim=True).float()
