@@ -214,7 +214,7 @@ class ModelDraft:
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (checkpoints pad embedding tables to different sizes; the
-        padding is no token, so it gets -inf); a head over a token subset keeps its own columns (mapped back to tokens in `propose`)."""
+        padding is no token, so it gets -inf); a subset head keeps its own columns (`propose` maps them to tokens)."""
         n = self.target_vocab
         if n is None or logits.shape[-1] == n or self.subset is not None:
             return logits
