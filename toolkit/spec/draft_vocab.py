@@ -28,8 +28,7 @@ _ROWS_MULTIPLE = 64
 
 
 def _texts(source: str) -> list[str]:
-    from toolkit.data.sources import load_text
-    from toolkit.data.splits import CALIBRATION
+    from toolkit.data import CALIBRATION, load_text
 
     out, total = [], 0
     for text in load_text(source, split=CALIBRATION)["text"]:
@@ -87,6 +86,10 @@ def frequent_tokens(tokenizer, n: int, vocab_size: int) -> torch.Tensor | None:
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
+def _append(rows: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if rows is None else torch.cat([rows, new])
+
+
 class SubsetHead(torch.nn.Module):
     """A draft's output head over a token subset: `main` (the draft's quantized head over the frequent tokens'
     rows, `ids`) plus, as the generation goes, the rows of every other token its context holds (`include`), from
@@ -119,9 +122,10 @@ class SubsetHead(torch.nn.Module):
         new = torch.tensor(fresh, dtype=torch.long)
         self.member[new] = True
         self.extra_ids = torch.cat([self.extra_ids, new])
-        self.extra_weight = self.source[self.extra_ids].float()
+        # only the new rows are gathered: the earlier ones are already in place
+        self.extra_weight = _append(self.extra_weight, self.source[new].float())
         if self.source_bias is not None:
-            self.extra_bias = self.source_bias[self.extra_ids].float()
+            self.extra_bias = _append(self.extra_bias, self.source_bias[new].float())
         self.vocab_ids = torch.cat([self.ids, self.extra_ids])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
