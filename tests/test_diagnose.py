@@ -18,6 +18,7 @@ from toolkit.diagnose.roofline import path_bound
 from toolkit.diagnose.split import dominant, time_split
 from toolkit.diagnose.workload import input_stats
 from toolkit.engine.generate import generate
+from toolkit.engine.precision import cpu_has_native_bf16
 from toolkit.engine.setup import load_engine_model
 from toolkit.engine.timing import GenerationTiming
 
@@ -75,7 +76,9 @@ def test_decode_bytes_are_the_weights_plus_the_kv_cache(report, tiny_llama_dir):
 def test_every_whatif_was_measured_and_the_recommendation_names_one(report):
     result = report[0]
     rows = result["whatifs"]["rows"]
-    assert set(rows) == {"baseline", *whatifs.ALL} == set(result["whatifs"]["measured"])
+    # all but bf16 prompt passes, which need fp16-stored weights (engine=fp32 stores fp32), and say so
+    assert set(rows) == {"baseline", *whatifs.ALL} - {"bf16-prefill"} == set(result["whatifs"]["measured"])
+    assert any(n.startswith("bf16-prefill: skipped, applies to fp16-stored weights") for n in result["whatifs"]["notes"])
     assert sorted(result["whatifs"]["ranking"]) == sorted(rows)
     for row in rows.values():
         assert row["runs"] == 2 and row["kl"] >= -1e-6  # a KL estimate: identical logits round to about 0
@@ -137,8 +140,44 @@ def test_auto_whatifs_follow_the_diagnosis():
     prefill = whatifs.choose("auto", "prefill", 0.3)
     assert "lookup" not in prefill and {"w8", "kv-int4"} <= set(prefill)
     assert "compile" in whatifs.choose("auto", "decode", 0.0) and "compile" not in prefill
+    assert ("bf16-prefill" in prefill) == cpu_has_native_bf16() and "bf16-prefill" not in whatifs.choose("auto",
+                                                                                                       "decode", 0.0)
     with pytest.raises(Exception, match="unknown what-if"):
         whatifs.choose(["w3"], "decode", 0.0)
+
+
+def test_the_bf16_prefill_whatif_runs_a_bf16_prepared_copy_and_says_when_it_does_not_apply(tiny_llama_dir,
+                                                                                             monkeypatch):
+    import toolkit.engine.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    half = OmegaConf.merge(ENGINE, {"dtype": "auto"})  # fp16-stored weights, fp32 activations
+    loaded = load_engine_model(str(tiny_llama_dir), half)
+    options, notes = whatifs.build_options(["bf16-prefill"], loaded.model, str(tiny_llama_dir), half, None, None,
+                                           loaded.tokenizer, quantized_input=False)
+    assert [o.name for o in options] == ["baseline", "bf16-prefill"] and not notes
+    option = options[1]
+    assert option.apply == "engine.prefill_dtype=bf16" and option.model.specquant_precision.prefill == "bf16"
+    assert option.model is not loaded.model and loaded.model.specquant_precision.prefill == "fp32"
+    ids = loaded.tokenizer("The syntax of a class definition is the same as that of any other compound statement, "
+                           "and its body is a suite of statements").input_ids
+    whatifs.measure(options, loaded.tokenizer, [ids], new_tokens=4)
+    assert all(len(o.timings) == 1 and len(o.outputs[0]) == 4 for o in options)
+    from toolkit.diagnose.quality import quality_change, quality_slice
+
+    quality = quality_change(options, quality_slice(loaded.tokenizer, "pydoc", 48, 2), chunk=16)
+    assert quality["bf16-prefill"]["scored"] == "measured" and 0 < quality["bf16-prefill"]["kl"] < 0.05
+    # already bf16, quantized, or no native bf16: a note instead of a row
+    _, notes = whatifs.build_options(["bf16-prefill"], option.model, str(tiny_llama_dir), half, None, None,
+                                     loaded.tokenizer, quantized_input=False)
+    assert notes == ["bf16-prefill: skipped, the baseline already runs bf16 prompt passes"]
+    _, notes = whatifs.build_options(["bf16-prefill"], loaded.model, str(tiny_llama_dir), half, None, None,
+                                     loaded.tokenizer, quantized_input=True)
+    assert "is quantized" in notes[0]
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    _, notes = whatifs.build_options(["bf16-prefill"], loaded.model, str(tiny_llama_dir), half, None, None,
+                                     loaded.tokenizer, quantized_input=False)
+    assert notes[0].startswith("bf16-prefill: skipped, engine.prefill_dtype=bf16 but this CPU has no native bf16")
 
 
 def _row(ttft, itl, kl):

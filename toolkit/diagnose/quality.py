@@ -4,8 +4,12 @@ Weight options are scored against the baseline model; KV options run the baselin
 through their cache, so later chunks attend to quantized keys and values (the window must be longer than the cache's
 full-precision residual for any of it to be quantized). Greedy speculative decoding and the prefix cache (cached
 keys/values are the ones the prompt would compute) are lossless by construction: their KL is 0, and the report shows
-the measured token agreement with the baseline as the check."""
+the measured token agreement with the baseline as the check. bf16 prompt passes score each window as a prompt pass
+(`bf16_prefill`): the logits every position of a bf16 prompt would give, against the baseline's."""
 
+import contextlib
+
+from toolkit.engine.precision import bf16_prefill
 from toolkit.evaluation.perplexity import score_windows
 
 LOSSLESS = {"spec": "greedy speculative decoding", "prefix": "prefix cache: reused keys/values are the prompt's own"}
@@ -30,7 +34,8 @@ def quality_change(options, windows, chunk: int) -> dict[str, dict]:
             out[option.name] = {"kl": 0.0, "ppl": reference["ppl"], "ppl_change": 0.0,
                                 "scored": f"lossless ({lossless})"}
             continue
-        figures = score_windows(option.model, windows, reference=base.model, kv_cfg=option.kv, chunk=chunk)
+        with bf16_prefill() if option.knob == "prefill" else contextlib.nullcontext():
+            figures = score_windows(option.model, windows, reference=base.model, kv_cfg=option.kv, chunk=chunk)
         out[option.name] = {"kl": figures["kl"], "ppl": figures["ppl"],
                             "ppl_change": figures["ppl"] / reference["ppl"] - 1, "scored": "measured"}
     return out

@@ -10,6 +10,8 @@ Options (names used by `whatifs=`):
     prefix-cache      the prompts in order through one paged KV cache with prefix reuse, as `specquant serve
                       prefix_cache=true` runs them: later prompts skip the whole blocks earlier ones began with
                       (prefix_cache.py)
+    bf16-prefill      the prompt's products in bf16, decode unchanged (engine.prefill_dtype=bf16): float models with
+                      fp16-stored weights under fp32 activations, on a CPU with native bf16
 """
 
 from dataclasses import dataclass, field
@@ -19,13 +21,14 @@ import torch
 from omegaconf import OmegaConf
 
 from toolkit.engine.generate import generate
+from toolkit.engine.precision import cpu_has_native_bf16, prefill_runs_bf16
 from toolkit.errors import InputError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-ALL = ("w8", "w4", "kv-int8", "kv-int4", "lookup", "self", "compile", "prefix-cache")
+ALL = ("w8", "w4", "kv-int8", "kv-int4", "lookup", "self", "compile", "prefix-cache", "bf16-prefill")
 KNOB = {"baseline": "none", "w8": "weights", "w4": "weights", "kv-int8": "kv", "kv-int4": "kv", "lookup": "spec",
-        "self": "spec", "compile": "engine", "prefix-cache": "prefix"}
+        "self": "spec", "compile": "engine", "prefix-cache": "prefix", "bf16-prefill": "prefill"}
 # why an option is applied where it is, when its command is not the baseline's plus an override
 EXPLAIN = {"prefix": "prefix caching lives in the server: requests that begin like an earlier one reuse its cached "
                      "KV blocks and prefill only the rest (`specquant generate` runs every prompt cold)"}
@@ -53,8 +56,8 @@ class Option:
 def choose(requested, dominant: str, kv_share_of_decode: float, repeated_prefix_share: float = 0.0) -> list[str]:
     """`whatifs=auto`: weights always (they cut the bytes decode streams and the matmul work prefill does), KV when
     the cache is a real share of decode bytes, speculative drafts only for a decode-dominated workload (they do not
-    touch TTFT), the prefix cache when some prompt begins like an earlier one. `all`, `none`, or a list of names
-    choose explicitly."""
+    touch TTFT), the prefix cache when some prompt begins like an earlier one, bf16 prompt products for a
+    prefill-dominated one on a CPU with native bf16. `all`, `none`, or a list of names choose explicitly."""
     if requested in (None, "auto"):
         names = ["w8", "w4"]
         if kv_share_of_decode >= KV_SHARE_WORTH_IT:
@@ -63,6 +66,8 @@ def choose(requested, dominant: str, kv_share_of_decode: float, repeated_prefix_
             names += ["lookup", "self", "compile"]
         if repeated_prefix_share > 0:
             names += ["prefix-cache"]
+        if dominant == "prefill" and cpu_has_native_bf16():
+            names += ["bf16-prefill"]
         return names
     if requested == "all":
         return list(ALL)
@@ -119,6 +124,20 @@ def compiled_copy(model_name: str, engine_cfg):
     return load_engine_model(model_name, cfg).model
 
 
+def bf16_prefill_copy(model_name: str, engine_cfg) -> tuple[torch.nn.Module | None, str]:
+    """(a fresh copy of the model prepared with engine.prefill_dtype=bf16, "") or (None, why it does not apply)."""
+    from toolkit.engine.setup import load_engine_model
+
+    try:
+        loaded = load_engine_model(model_name, OmegaConf.merge(engine_cfg, {"prefill_dtype": "bf16"}))
+    except InputError as exc:  # a CPU without native bf16
+        return None, exc.problem
+    if loaded.precision.prefill != "bf16":
+        return None, (f"applies to fp16-stored weights under fp32 activations (engine.dtype=auto); this engine runs "
+                      f"{loaded.precision.name}")
+    return loaded.model, ""
+
+
 def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, spec_cfg, tokenizer,
                   quantized_input: bool) -> tuple[list[Option], list[str]]:
     """The baseline (the user's own settings) and each named option; returns them and notes on options skipped."""
@@ -149,6 +168,18 @@ def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, s
                 continue
             options.append(Option(name, knob, compiled_copy(model_name, engine_cfg), kv_cfg, spec_cfg,
                                   apply="engine.compile=true engine.gemm=torch"))
+        elif knob == "prefill":
+            if quantized_input:
+                notes.append(f"{name}: skipped, model={model_name} is quantized: its layers keep their own prompt path")
+                continue
+            if prefill_runs_bf16(base):
+                notes.append(f"{name}: skipped, the baseline already runs bf16 prompt passes")
+                continue
+            copy, why = bf16_prefill_copy(model_name, engine_cfg)
+            if copy is None:
+                notes.append(f"{name}: skipped, {why}")
+                continue
+            options.append(Option(name, knob, copy, kv_cfg, spec_cfg, apply="engine.prefill_dtype=bf16"))
         elif knob == "prefix":
             from toolkit.diagnose.prefix_cache import PrefixCacheRun
             from toolkit.kv import kv_kind

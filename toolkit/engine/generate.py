@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.precision import exact_linears, may_overflow
+from toolkit.engine.precision import bf16_prefill, exact_linears, may_overflow
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.engine.timing import GenerationTiming, Stopwatch
 from toolkit.errors import InputError
@@ -91,8 +91,10 @@ def paged_forward(model, cache, seqs, new_tokens: list[list[int]], keep: int = 1
 
 @torch.inference_mode()
 def prefill(model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-    """Run the prompts [batch, T] through the model, filling `cache`; return the last position's logits."""
-    return _forward(model, input_ids, attention_mask, position_ids, cache)
+    """Run the prompts [batch, T] through the model, filling `cache`; return the last position's logits. Its
+    products run in bf16 where the model was prepared for it (`engine.prefill_dtype`, engine/precision.py)."""
+    with bf16_prefill():
+        return _forward(model, input_ids, attention_mask, position_ids, cache)
 
 
 @torch.inference_mode()

@@ -87,11 +87,12 @@ def prepare_engine_model(model, engine_cfg) -> Precision:
     precision = resolve_precision(engine_cfg.dtype, engine_cfg.get("weight_dtype", "auto"), engine_cfg.device)
     if engine_cfg.device != "cpu":
         model.to(engine_cfg.device)
-    prepare_model(model, precision, wide_copy=engine_cfg.get("wide_copy", "auto"), gemm=engine_cfg.get("gemm", "auto"))
+    prepare_model(model, precision, wide_copy=engine_cfg.get("wide_copy", "auto"), gemm=engine_cfg.get("gemm", "auto"),
+                  prefill=engine_cfg.get("prefill_dtype", "fp32"))
     model.specquant_forward = install_forward(model, engine_cfg.get("forward", "auto"))
     if engine_cfg.get("compile"):
         compile_decode(model)
-    return precision
+    return model.specquant_precision  # with what the prompt passes resolved to
 
 
 def compile_decode(model) -> None:

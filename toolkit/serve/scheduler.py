@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.engine.generate import Detokenizer, paged_forward
+from toolkit.engine.precision import bf16_prefill
 from toolkit.engine.sampling import sample
 from toolkit.kv.paged import OutOfBlocks
 from toolkit.kv.paged.attention import use_paged_attention
@@ -236,8 +237,9 @@ class Scheduler:
         self.running.append(seq)  # from here on, _finish gives its blocks back whatever happens
         rest = ids[seq.kv.length:]
         chunk = self.prefill_chunk or len(rest)
-        for start in range(0, len(rest), chunk):
-            logits = self._forward([seq], [rest[start:start + chunk]])
+        with bf16_prefill():  # bf16 products where the model was prepared for them (engine.prefill_dtype)
+            for start in range(0, len(rest), chunk):
+                logits = self._forward([seq], [rest[start:start + chunk]])
         self.metrics.prompt_tokens.inc(len(rest))
         if seq.detok is None:  # a preempted sequence keeps its detokenizer: what was streamed is not sent again
             seq.detok = Detokenizer(self.tokenizer, seq.stop_strings)

@@ -28,6 +28,7 @@ from toolkit.engine.generate import (
     stop_token_ids,
     validate_request,
 )
+from toolkit.engine.precision import bf16_prefill
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.engine.timing import GenerationTiming
 from toolkit.errors import InputError
@@ -165,9 +166,10 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
         return taken
 
     start = time.perf_counter()
-    # the prompt, as the engine's prefill runs it: logits of the last position only
+    # the prompt, as the engine's prefill runs it: logits of the last position only, bf16 products where prepared so
     target.mark()
-    logits = target.feed([ids for ids in encoded], logits=1)[:, -1]
+    with bf16_prefill():
+        logits = target.feed([ids for ids in encoded], logits=1)[:, -1]
     target.keep([len(ids) for ids in encoded])
     # from here on every pass is a verify pass: its rows read a quantized cache as one-token steps would, so that
     # greedy output stays the target's own (KV cache `read_splits`); the prompt read as at its start, as the engine's
