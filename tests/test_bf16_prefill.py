@@ -177,3 +177,49 @@ def test_the_prefill_bench_times_both_copies_and_compares_their_outputs(tiny_lla
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     with pytest.raises(InputError, match="no native bf16"):  # the bench asks for bf16 by name: the engine refuses
         run(str(tiny_llama_dir), [40], n_prompts=1, rounds=1, new_tokens=2)
+
+
+def test_a_quantized_checkpoints_long_prompt_dequantizes_to_bf16_and_its_steps_stay_exact(tiny_llama_dir,
+                                                                                         tiny_tokenizer,
+                                                                                         tmp_path, monkeypatch):
+    """int4 layers keep their kernels below `kernel_max_rows`; a prompt pass past it dequantizes to bf16 (not fp32)
+    where the checkpoint was loaded with bf16 prompt passes."""
+    import toolkit.engine.precision as precision
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.quant.checkpoint import save_quantized
+    from toolkit.quant.model_quant import QuantRecipe, quantize_model
+    from toolkit.quant.qlinear import QuantLinear
+
+    llama = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    qsd = quantize_model(llama, QuantRecipe(bits=4, group_size=32, symmetric=False), progress=False)
+    save_quantized(tmp_path / "q", llama, qsd, tokenizer=tiny_tokenizer, source="tiny-llama")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    exact, fast = (_engine(tmp_path / "q", p).model for p in ("fp32", "bf16"))
+    layers = [m for m in fast.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.prefill_bf16 for m in layers)
+    assert not any(m.prefill_bf16 for m in exact.modules() if isinstance(m, QuantLinear))
+    rows = max(m.kernel_max_rows for m in layers) + 4
+    ids = _prompt(tiny_tokenizer, rows)
+    dtypes = []
+    block = QuantLinear._weight_block
+
+    def spy(self, n0, n1, dtype, fresh=False):
+        dtypes.append(dtype)
+        return block(self, n0, n1, dtype, fresh)
+
+    monkeypatch.setattr(QuantLinear, "_weight_block", spy)
+    new = lambda: ContiguousKVCache.for_model(exact, rows + 8)  # noqa: E731
+    reference = _pass(exact, ids, new(), bf16=True)
+    assert dtypes and set(dtypes) == {torch.float32}
+    dtypes.clear()
+    prompt = _pass(fast, ids, new(), bf16=True)
+    assert dtypes and set(dtypes) == {torch.bfloat16}  # every dequantized block, in bf16
+    tv = 0.5 * (prompt.softmax(-1) - reference.softmax(-1)).abs().sum(-1)
+    assert 0 < tv.max() < 0.05
+    assert torch.equal(_pass(fast, ids, new(), bf16=False), reference)  # outside a prompt pass: fp32 as before
+    caches = new(), new()
+    _pass(exact, ids[:, :-4], caches[0], bf16=False)
+    _pass(exact, ids[:, :-4], caches[1], bf16=False)
+    for step in (ids[:, -4:-3], ids[:, -3:]):  # a decode step, a verify pass: the kernels', identical
+        assert torch.equal(_pass(exact, step, caches[0], bf16=True), _pass(fast, step, caches[1], bf16=True))

@@ -69,7 +69,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, Qwen2RMSNorm
 
-from toolkit.engine.precision import BF16_PREFILL_MIN_ROWS, HalfStorageLinear, prefill_runs_bf16
+from toolkit.engine.precision import HalfStorageLinear, bf16_prompt_rows, prefill_runs_bf16
 from toolkit.errors import InputError
 
 SUPPORTED = (LlamaForCausalLM, Qwen2ForCausalLM)
@@ -465,9 +465,9 @@ class LeanForward:
             position_ids = torch.arange(length, device=hidden.device)[None] + past
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
         native = self.native_decoder()
-        # a prompt pass in bf16 (HalfStorageLinear.bf16_product) runs layer by layer, its products unfused
-        bf16 = (HalfStorageLinear.prefill and rows >= BF16_PREFILL_MIN_ROWS and not HalfStorageLinear.exact
-                and prefill_runs_bf16(model))
+        # a prompt pass in bf16 (HalfStorageLinear.bf16_product, QuantLinear.prefill_bf16) runs layer by layer, the
+        # fp16-stored layers' products unfused
+        bf16 = bf16_prompt_rows(rows) and prefill_runs_bf16(model)
         if native is not None and not bf16 and native.applies(hidden, attention_mask, cache):
             hidden = native.run(hidden, cos[0].contiguous(), sin[0].contiguous(), cache)
             return self._head(hidden, logits_to_keep, native)
@@ -481,7 +481,9 @@ class LeanForward:
             attn = plan.attn
             x = _norm(plan.input_norm, hidden)  # the norm's own arithmetic, without a module call
             shape = (batch, length, -1, attn.head_dim)
-            qkv = plan.qkv if plan.qkv is not None and rows < plan.qkv.max_rows and not bf16 else None
+            qkv = plan.qkv if plan.qkv is not None and rows < plan.qkv.max_rows else None
+            if bf16 and type(qkv) is FusedPack:  # fp16 packs: the layers' own bf16 products instead
+                qkv = None
             if qkv is not None:  # q and k sit side by side in the fused output: rotate them in one pass
                 out = qkv.run(x)
                 heads = qkv.sizes[0] // attn.head_dim
@@ -502,7 +504,9 @@ class LeanForward:
                 out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **passed)
             hidden = hidden + _linear(plan.o, out.reshape(batch, length, -1).contiguous(), rows)
             x = _norm(plan.post_norm, hidden)
-            gate_up = plan.gate_up if plan.gate_up is not None and rows < plan.gate_up.max_rows and not bf16 else None
+            gate_up = plan.gate_up if plan.gate_up is not None and rows < plan.gate_up.max_rows else None
+            if bf16 and type(gate_up) is FusedPack:
+                gate_up = None
             if gate_up is not None:
                 gate, up = gate_up(x)
             else:

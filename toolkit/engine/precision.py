@@ -134,8 +134,7 @@ class HalfStorageLinear(torch.nn.Linear):
         bf16 copy of its weight (`prepare_model(..., prefill="bf16")`) and at least BF16_PREFILL_MIN_ROWS fp32 rows;
         else None. Not exact: x and the weight are rounded to bf16's 8 significant bits."""
         weight = getattr(self, "bf16_weight", None)
-        if (weight is None or not HalfStorageLinear.prefill or HalfStorageLinear.exact or rows < BF16_PREFILL_MIN_ROWS
-                or x.dtype != torch.float32):
+        if weight is None or x.dtype != torch.float32 or not bf16_prompt_rows(rows):
             return None
         y = F.linear(x.to(torch.bfloat16), weight).to(torch.float32)
         return y if self.bias is None else y + self.bias
@@ -174,6 +173,12 @@ def exact_linears():
         yield
     finally:
         HalfStorageLinear.exact = previous
+
+
+def bf16_prompt_rows(rows: int) -> bool:
+    """Whether a product of `rows` rows runs in bf16 now: inside `bf16_prefill()`, outside `exact_linears()`, and at
+    least BF16_PREFILL_MIN_ROWS rows (layers opt in by holding a bf16 weight or QuantLinear's `prefill_bf16`)."""
+    return HalfStorageLinear.prefill and not HalfStorageLinear.exact and rows >= BF16_PREFILL_MIN_ROWS
 
 
 @contextlib.contextmanager
@@ -291,6 +296,10 @@ def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype,
     embedding = model.get_input_embeddings()
     if embedding.weight.dtype != precision.compute:  # tied to a half-precision output head
         embedding.register_forward_hook(_cast_output(precision.compute))
+    if prefill == "bf16":  # quantized layers' dequantize path (QuantLinear.prefill_bf16)
+        for module in model.modules():
+            if hasattr(type(module), "prefill_bf16"):
+                module.prefill_bf16 = True
     model.specquant_precision = dataclasses.replace(precision, prefill=prefill)
     return model
 

@@ -99,7 +99,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from toolkit.engine.precision import _native_matmul
+from toolkit.engine.precision import _native_matmul, bf16_prompt_rows, cpu_flags
 from toolkit.quant.kernels import (
     FAST_DTYPE,
     INT4_GROUP_SIZES,
@@ -111,14 +111,21 @@ from toolkit.quant import int4_native, int8_dynamic, int8_native
 from toolkit.quant.primitives import pack_int4_rows
 from toolkit.quant.quantized_weight import QuantizedWeight
 
-KERNEL_MAX_ROWS = {"int4n8": 96, "int4pack": 48, "int8pack": 32}
+KERNEL_MAX_ROWS = {"int4n8": 256 if "avx512f" in cpu_flags() else 96, "int4pack": 48, "int8pack": 32}
 """Products with fewer rows than this run the low-bit kernel; from it on, dequantize + fp32 F.linear. From the
 medians in the module docstring: int4 at 128 rows 2768 (kernel) vs 2890 us, i.e. about even, so the fp32 path starts at
 128; int8 at 64 rows 1365 vs 1462 us and at 128 rows 2732 vs 2541 us, crossover ~96. int4n8 (specquant's int4 GEMM,
-~15 us a row for 1536x576, `python -m toolkit.quant.int4_native`) meets the dequant path's ~1.5 ms near 96 rows;
-int8pack layers on specquant's int8 GEMM keep it up to INT8_DYNAMIC_MIN_ROWS (set per layer). Far above the engine's
-UPCAST_MIN_ROWS=4 because dequantizing is a fixed per-call cost that a float-weight layer does not pay, so decode
-and verify batches always stay on the kernel."""
+~15 us a row for 1536x576 on AVX2, `python -m toolkit.quant.int4_native`) meets the dequant path's ~1.5 ms near 96
+rows there; built for an AVX512 CPU it runs ~12.5 us a row and meets the dequant path near 300 rows (2-core EPYC with
+AVX512, SmolLM2 up_proj / down_proj, median ms: 128 rows 1.56 vs 2.29, 256 rows 3.10 vs 3.41, 512 rows 6.43 vs 5.72;
+`python -m toolkit.quant.qlinear` prints such a table), hence 256 there. int8pack layers on specquant's int8 GEMM keep it up
+to INT8_DYNAMIC_MIN_ROWS (set per layer). Far above the engine's UPCAST_MIN_ROWS=4 because dequantizing is a fixed
+per-call cost that a float-weight layer does not pay, so decode and verify batches always stay on the kernel. Under a
+bf16 prompt pass (`prefill_bf16`) the dequantize path multiplies in bf16 and wins from BF16_DEQUANT_MIN_ROWS rows."""
+
+BF16_DEQUANT_MIN_ROWS = 128
+"""In a bf16 prompt pass, products of at least this many rows leave the kernel for dequantize-to-bf16 + bf16
+F.linear (same machine and shapes: 128 rows 1.56 kernel vs 1.55 ms, 256 rows 3.10 vs 2.12, 1024 rows 12.85 vs 5.88)."""
 
 INT8_DYNAMIC_MIN_ROWS = 64
 """int8pack products with at least this many rows run int8 x int8 (`toolkit.quant.int8_dynamic`: activations
@@ -151,6 +158,11 @@ class QuantLinear(torch.nn.Module):
     int8_activations = True
     """int8pack layers run products of `kernel_max_rows` rows or more int8 x int8 (activations quantized per row,
     7 bits); False: dequantize + fp32 F.linear, exact but slower. Set it with `exact_prefill`."""
+
+    prefill_bf16 = False
+    """Set on a layer by `prepare_model(..., prefill="bf16")` (engine.prefill_dtype): inside a prompt pass
+    (`bf16_prefill`), its dequantize path (products of `kernel_max_rows` rows or more that are not int8 x int8)
+    dequantizes to bf16 and multiplies in bf16 (fp32 accumulation), ~2x faster for long prompts here."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, kernel: str):
         super().__init__()
@@ -272,7 +284,8 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         y = None
-        if 0 < rows < self.kernel_max_rows:
+        bf16 = self.prefill_bf16 and bf16_prompt_rows(rows) and x.dtype == torch.float32
+        if 0 < rows < (min(self.kernel_max_rows, BF16_DEQUANT_MIN_ROWS) if bf16 else self.kernel_max_rows):
             y = self._kernel(x.reshape(rows, self.in_features))
             y = y.to(x.dtype)
             if self._native:
@@ -284,6 +297,8 @@ class QuantLinear(torch.nn.Module):
             y = None if y is None else y.to(x.dtype)  # None: x holds inf/nan, left to the exact path
         if y is None:
             compute = x.dtype if _native_matmul(x.dtype, x.device) else torch.float32
+            if bf16:
+                compute = torch.bfloat16
             x2 = x.reshape(rows, self.in_features).to(compute)
             fresh = x2.requires_grad and torch.is_grad_enabled()  # autograd would keep the scratch buffer
             y = torch.cat([F.linear(x2, self._weight_block(n0, n1, compute, fresh))
@@ -505,7 +520,8 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
     return buf[:numel]
 
 
-def _bench(n: int = 1536, k: int = 576, rows=(1, 4, 8, 16, 32, 48, 64, 128, 512, 2048), reps: int = 20) -> None:
+def _bench(n: int = 1536, k: int = 576, rows=(1, 4, 8, 16, 32, 48, 64, 128, 256, 512, 1024, 2048),
+           reps: int = 20) -> None:
     """Print the table in the module docstring for an n x k layer on this machine: microseconds per call, the best
     of `reps` (on a shared machine the best is the least disturbed; the median drifts with other jobs)."""
     import time
@@ -530,9 +546,14 @@ def _bench(n: int = 1536, k: int = 576, rows=(1, 4, 8, 16, 32, 48, 64, 128, 512,
         z = torch.zeros(n, dtype=torch.int32)
         for m in rows:
             x = torch.randn(m, k)
-            table.setdefault(f"int{bits} kernel (bf16 act)", []).append(timed(lambda: layer._kernel(x).float()))
+            act = "fp32" if layer._native else "bf16"
+            table.setdefault(f"int{bits} {layer.kernel} kernel ({act} act)", []).append(
+                timed(lambda: layer._kernel(x).float()))
             table.setdefault(f"int{bits} dequant + fp32 F.linear", []).append(
                 timed(lambda: F.linear(x, layer._weight_block(0, n, torch.float32))))
+            if bits == 4:  # a bf16 prompt pass's path (prefill_bf16)
+                table.setdefault("int4 dequant + bf16 F.linear", []).append(timed(
+                    lambda: F.linear(x.to(torch.bfloat16), layer._weight_block(0, n, torch.bfloat16)).float()))
             if layer.kernel == "int8pack" and int8_dynamic.available():
                 table.setdefault("int8 x int8 (7-bit act, 16 outl.)", []).append(timed(
                     lambda: int8_dynamic.linear(x, layer.weight_int8, layer.scale, z, int8_dynamic.outlier_channels(k))))
