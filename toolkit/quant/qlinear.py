@@ -133,6 +133,12 @@ quantized per row to 7 bits, 16 outlier channels in fp32); between KERNEL_MAX_RO
 Its fixed cost (~0.4 ms weight reorder, ~0.2 ms oneDNN call, ~0.1 ms outlier product) is repaid at ~64 rows, where
 it meets the dequant path (1560 vs 1596 us); at 2048 rows it is 1.55x faster (table in the module docstring)."""
 
+INT8_NATIVE_MAX_ROWS = 256 if "avx512f" in cpu_flags() else INT8_DYNAMIC_MIN_ROWS
+"""int8pack layers on specquant's int8 GEMM (exact: fp32 activations) run products of fewer rows than this there, and
+int8 x int8 from it on. ~16 us a row on AVX2, where int8 x int8 wins from ~64 rows; ~12.7 us a row built for an
+AVX512 CPU, where int8 x int8's fixed cost (~2.2 ms for 1536x576) is repaid only near 256 rows (2-core EPYC, best of
+20 us: 128 rows 1610 vs 2775, 256 rows 3267 vs 3401, 512 rows 6735 vs 4242; `python -m toolkit.quant.qlinear`)."""
+
 _DEQUANT_BLOCK_ELEMS = 1 << 22  # dequantize at most ~4M weights (16 MB fp32) at a time
 _INT4PACK_BLOCK_N = 32  # output rows per block of the CPU int4 packed layout (AVX2); verified at construction
 _ALIGN = 64  # the bf16 int8 kernel uses aligned loads (see kernels.py)
@@ -224,8 +230,8 @@ class QuantLinear(torch.nn.Module):
             self.register_buffer("weight_int8", w8)
             s = scale.reshape(out_f)
             self.int8_native = cls.native_kernels and in_f % int8_native.K_MULTIPLE == 0 and int8_native.available()
-            if self.int8_native:  # up to where the int8 x int8 prefill path takes over (~16 us a row here)
-                self.kernel_max_rows = INT8_DYNAMIC_MIN_ROWS
+            if self.int8_native:  # up to where the int8 x int8 prefill path takes over (INT8_NATIVE_MAX_ROWS)
+                self.kernel_max_rows = INT8_NATIVE_MAX_ROWS
             else:
                 self.register_buffer("scale_bf16", s.to(FAST_DTYPE).contiguous())  # torch's kernel's (bf16) scales
             self.register_buffer("scale", s.contiguous())  # exact, for the fp32 path and specquant's int8 GEMM
