@@ -78,7 +78,8 @@ def test_every_whatif_was_measured_and_the_recommendation_names_one(report):
     rows = result["whatifs"]["rows"]
     # all but bf16 prompt passes, which need fp16-stored weights (engine=fp32 stores fp32), and say so
     assert set(rows) == {"baseline", *whatifs.ALL} - {"bf16-prefill"} == set(result["whatifs"]["measured"])
-    assert any(n.startswith("bf16-prefill: skipped, applies to fp16-stored weights") for n in result["whatifs"]["notes"])
+    notes = result["whatifs"]["notes"]
+    assert any(n.startswith("bf16-prefill: skipped, applies to fp16-stored weights") for n in notes)
     assert sorted(result["whatifs"]["ranking"]) == sorted(rows)
     for row in rows.values():
         assert row["runs"] == 2 and row["kl"] >= -1e-6  # a KL estimate: identical logits round to about 0

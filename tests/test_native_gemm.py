@@ -35,6 +35,29 @@ def rel_err(y, ref):
     return ((y.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+@needs_kernel
+@pytest.mark.parametrize("n,k,group", [(8, 16, 16), (64, 128, 32), (40, 96, 64), (48, 576, 128), (96, 576, 576)])
+def test_the_c_dequantize_is_torchs_arithmetic_bit_for_bit(n, k, group):
+    """One C pass gives what unpack + (q - zero) * scale in fp32 gives (the prompt's dequantize path), and its bf16
+    output is exactly torch's cast of that, for every block range (ragged last groups included)."""
+    codes, scale, zero, _ = random_weight(n, k, group)
+    scale[0, 0], scale[-1, -1] = 3.0e-3 + 2 ** -20, 1.0 / 3  # values whose bf16 rounding is not a plain truncation
+    packed = int4_native.pack(codes, scale, zero, group)
+    col_group = torch.arange(k) // group
+    ref = (codes.float() - zero.float()[:, col_group]) * scale[:, col_group]
+    blocks = n // int4_native.BLOCK_N
+    for b0, b1 in ((0, blocks), (blocks // 2, blocks), (0, 1), (blocks - 1, blocks), (1, 1)):
+        rows = slice(b0 * 8, b1 * 8)
+        for dtype in (torch.float32, torch.bfloat16):
+            out = torch.full(((b1 - b0) * 8, k), float("nan"), dtype=dtype)
+            assert int4_native.dequantize(*packed, group, b0, b1, out) is out
+            assert torch.equal(out, ref[rows].to(dtype)), (b0, b1, dtype)
+    with pytest.raises(ValueError, match="contiguous fp32/bf16"):
+        int4_native.dequantize(*packed, group, 0, 1, torch.empty(8, k, dtype=torch.float16))
+    with pytest.raises(ValueError, match="refused"):
+        int4_native.dequantize(*packed, group, 0, blocks + 1, torch.empty((blocks + 1) * 8, k))
+
+
 @pytest.mark.parametrize("n,k,group", [(8, 16, 16), (64, 128, 32), (40, 96, 64), (48, 576, 128), (96, 576, 576)])
 def test_pack_unpack_round_trip(n, k, group):
     codes, scale, zero, _ = random_weight(n, k, group)

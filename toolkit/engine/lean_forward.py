@@ -69,7 +69,12 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, Qwen2RMSNorm
 
-from toolkit.engine.precision import HalfStorageLinear, bf16_prompt_rows, prefill_runs_bf16
+from toolkit.engine.precision import (
+    BF16_DEQUANT_MIN_ROWS,
+    HalfStorageLinear,
+    bf16_prompt_rows,
+    prefill_runs_bf16,
+)
 from toolkit.errors import InputError
 
 SUPPORTED = (LlamaForCausalLM, Qwen2ForCausalLM)
@@ -482,7 +487,7 @@ class LeanForward:
             x = _norm(plan.input_norm, hidden)  # the norm's own arithmetic, without a module call
             shape = (batch, length, -1, attn.head_dim)
             qkv = plan.qkv if plan.qkv is not None and rows < plan.qkv.max_rows else None
-            if bf16 and type(qkv) is FusedPack:  # fp16 packs: the layers' own bf16 products instead
+            if bf16 and (type(qkv) is FusedPack or rows >= BF16_DEQUANT_MIN_ROWS):  # the layers' own bf16 products
                 qkv = None
             if qkv is not None:  # q and k sit side by side in the fused output: rotate them in one pass
                 out = qkv.run(x)
@@ -505,7 +510,7 @@ class LeanForward:
             hidden = hidden + _linear(plan.o, out.reshape(batch, length, -1).contiguous(), rows)
             x = _norm(plan.post_norm, hidden)
             gate_up = plan.gate_up if plan.gate_up is not None and rows < plan.gate_up.max_rows else None
-            if bf16 and type(gate_up) is FusedPack:
+            if bf16 and (type(gate_up) is FusedPack or rows >= BF16_DEQUANT_MIN_ROWS):
                 gate_up = None
             if gate_up is not None:
                 gate, up = gate_up(x)

@@ -52,7 +52,8 @@ def load(flags: tuple[str, ...] = tuple(FLAGS)):
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     return cbuild.load_kernel(SOURCE, "int4-gemm", list(flags), "int4 GEMM kernel",
                               "int4 layers run torch's int4 kernel (slower on AVX2)", log,
-                              {"sq_int4_linear": [p, i64, i64, p, p, p, p, i64, i64, p]}, _self_test)
+                              {"sq_int4_linear": [p, i64, i64, p, p, p, p, i64, i64, p],
+                               "sq_int4_dequant": [p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_int]}, _self_test)
 
 
 def _self_test(lib) -> str | None:
@@ -109,6 +110,24 @@ def unpack_codes(packed: torch.Tensor, b0: int = 0, b1: int | None = None, out: 
     if out is None:
         return codes
     return out.copy_(codes)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, b0: int, b1: int,
+               out: torch.Tensor) -> torch.Tensor:
+    """The float weight of blocks b0:b1 of an n8 pack, ``(q - zero) * scale``, into `out` ([(b1-b0)*8, K], fp32 or
+    bf16, contiguous) in one C pass: fp32 bit for bit what `unpack_codes` and torch's arithmetic give, bf16 its
+    round-to-nearest-even cast. Call only where `available()`."""
+    n, k = codes.shape[0] * BLOCK_N, codes.shape[1] * 2
+    if (out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous()
+            or out.shape != ((b1 - b0) * BLOCK_N, k)):
+        raise ValueError(f"dequantize needs a contiguous fp32/bf16 [{(b1 - b0) * BLOCK_N}, {k}] out, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    rc = kernel().sq_int4_dequant(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), n, k, group_size, b0, b1,
+                                  out.data_ptr(), int(out.dtype == torch.bfloat16))
+    if rc:
+        raise ValueError(f"the int4 dequantize kernel refused blocks {b0}:{b1} of [{n}, {k}] at group {group_size} "
+                         f"(rc {rc})")
+    return out
 
 
 def blocked_to_rows(t: torch.Tensor) -> torch.Tensor:

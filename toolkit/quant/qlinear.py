@@ -99,7 +99,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from toolkit.engine.precision import _native_matmul, bf16_prompt_rows, cpu_flags
+from toolkit.engine.precision import BF16_DEQUANT_MIN_ROWS, _native_matmul, bf16_prompt_rows, cpu_flags
 from toolkit.quant.kernels import (
     FAST_DTYPE,
     INT4_GROUP_SIZES,
@@ -116,16 +116,15 @@ KERNEL_MAX_ROWS = {"int4n8": 256 if "avx512f" in cpu_flags() else 96, "int4pack"
 medians in the module docstring: int4 at 128 rows 2768 (kernel) vs 2890 us, i.e. about even, so the fp32 path starts at
 128; int8 at 64 rows 1365 vs 1462 us and at 128 rows 2732 vs 2541 us, crossover ~96. int4n8 (specquant's int4 GEMM,
 ~15 us a row for 1536x576 on AVX2, `python -m toolkit.quant.int4_native`) meets the dequant path's ~1.5 ms near 96
-rows there; built for an AVX512 CPU it runs ~12.5 us a row and meets the dequant path near 300 rows (2-core EPYC with
-AVX512, SmolLM2 up_proj / down_proj, median ms: 128 rows 1.56 vs 2.29, 256 rows 3.10 vs 3.41, 512 rows 6.43 vs 5.72;
-`python -m toolkit.quant.qlinear` prints such a table), hence 256 there. int8pack layers on specquant's int8 GEMM keep it up
-to INT8_DYNAMIC_MIN_ROWS (set per layer). Far above the engine's UPCAST_MIN_ROWS=4 because dequantizing is a fixed
-per-call cost that a float-weight layer does not pay, so decode and verify batches always stay on the kernel. Under a
-bf16 prompt pass (`prefill_bf16`) the dequantize path multiplies in bf16 and wins from BF16_DEQUANT_MIN_ROWS rows."""
+rows there; built for an AVX512 CPU it runs ~12.5 us a row, and the dequant path (one C pass since 2026-12-05,
+`int4_native.dequantize`, then fp32 F.linear) meets it between ~128 and ~512 rows depending on the bandwidth other
+jobs leave (2-core EPYC, SmolLM2 up_proj, best of 20 us, two runs: 128 rows 1537-2005 vs 1528-2643, 256 rows
+3058-3083 vs 2991-3630, 512 rows 6298-6321 vs 4802-6114; `python -m toolkit.quant.qlinear`), hence 256 there.
+int8pack layers on specquant's int8 GEMM keep it up to INT8_NATIVE_MAX_ROWS (set per layer). Far above the engine's
+UPCAST_MIN_ROWS=4 because dequantizing is a fixed per-call cost that a float-weight layer does not pay, so decode
+and verify batches always stay on the kernel. Under a bf16 prompt pass (`prefill_bf16`) the dequantize path
+multiplies in bf16 and wins from BF16_DEQUANT_MIN_ROWS rows (engine/precision.py)."""
 
-BF16_DEQUANT_MIN_ROWS = 128
-"""In a bf16 prompt pass, products of at least this many rows leave the kernel for dequantize-to-bf16 + bf16
-F.linear (same machine and shapes: 128 rows 1.56 kernel vs 1.55 ms, 256 rows 3.10 vs 2.12, 1024 rows 12.85 vs 5.88)."""
 
 INT8_DYNAMIC_MIN_ROWS = 64
 """int8pack products with at least this many rows run int8 x int8 (`toolkit.quant.int8_dynamic`: activations
@@ -367,6 +366,10 @@ class QuantLinear(torch.nn.Module):
             w = torch.mul(self.weight_int8[n0:n1], self.scale[n0:n1, None], out=buf.view(n, k))
         elif self.kernel == "int4n8":
             b0, b1 = n0 // int4_native.BLOCK_N, n1 // int4_native.BLOCK_N
+            if dtype in (torch.float32, torch.bfloat16):  # one C pass (the same values as below), bf16 directly
+                out = buf.view(n, k) if dtype == torch.float32 else buf.view(torch.bfloat16)[:n * k].view(n, k)
+                return int4_native.dequantize(self.weight_int4n8, self.scale, self.zero, self.group_size, b0, b1,
+                                              out)
             w = int4_native.unpack_codes(self.weight_int4n8, b0, b1, out=buf.view(n, k))
             zero = int4_native.blocked_to_rows(self.zero[b0:b1]).float()
             scale = int4_native.blocked_to_rows(self.scale[b0:b1])

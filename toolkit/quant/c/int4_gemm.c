@@ -101,9 +101,48 @@ int sq_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, c
     free(xsum);
     return 0;
 }
+
+/* The float weight of blocks b0..b1-1 as rows [(b1-b0)*8, K]: w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], the
+ * difference exact in fp32 and one rounding for the product (what the dequantize path computes in torch, bit for
+ * bit). out_bf16 != 0: written as bf16 (round to nearest even, as torch's cast) into a uint16 buffer, else fp32.
+ * One pass, rows written in order: the prompt's dequantize path, several times faster than torch's four passes. */
+int sq_int4_dequant(const uint8_t *codes, const float *scale, const uint8_t *zero, int64_t N, int64_t K, int64_t G,
+                    int64_t b0, int64_t b1, void *out, int out_bf16) {
+    if (N % 8 || K % 2 || G % 2 || G <= 0 || b0 < 0 || b1 > N / 8 || b0 > b1) return 1;
+    const int64_t ng = (K + G - 1) / G, half = K / 2, rows = (b1 - b0) * 8;
+#pragma omp parallel for schedule(static) if (rows * K > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t b = b0 + r / 8, j = r % 8;
+        const uint8_t *cb = codes + b * half * 8 + j;
+        float *rf = out_bf16 ? NULL : (float *)out + r * K;
+        uint16_t *rb = out_bf16 ? (uint16_t *)out + r * K : NULL;
+        for (int64_t g = 0; g < ng; g++) {
+            const float s = scale[(b * ng + g) * 8 + j];
+            const int z = zero[(b * ng + g) * 8 + j];
+            const int64_t p0 = g * G / 2, p1 = p0 + G / 2 < half ? p0 + G / 2 : half;
+            for (int64_t p = p0; p < p1; p++) {
+                const uint8_t byte = cb[p * 8];
+                const float w0 = (float)((byte & 15) - z) * s, w1 = (float)((byte >> 4) - z) * s;
+                if (rf) {
+                    rf[2 * p] = w0;
+                    rf[2 * p + 1] = w1;
+                } else {
+                    union { float f; uint32_t u; } a = {w0}, c = {w1};
+                    rb[2 * p] = (uint16_t)((a.u + 0x7FFF + ((a.u >> 16) & 1)) >> 16);
+                    rb[2 * p + 1] = (uint16_t)((c.u + 0x7FFF + ((c.u >> 16) & 1)) >> 16);
+                }
+            }
+        }
+    }
+    return 0;
+}
 #else
 int sq_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scale,
                    const uint8_t *zero, const float *bias, int64_t N, int64_t G, float *y) {
+    return 2;
+}
+int sq_int4_dequant(const uint8_t *codes, const float *scale, const uint8_t *zero, int64_t N, int64_t K, int64_t G,
+                    int64_t b0, int64_t b1, void *out, int out_bf16) {
     return 2;
 }
 #endif
