@@ -65,11 +65,17 @@ INLINE void tile(const float *x, int64_t K, const float *xsum, int64_t ng, const
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * N + (b0 + j) * 8, yv[r][j]);
 }
 
+/* 4-row tiles need 24 accumulators + 8 broadcasts: AVX512's 32 vector registers hold them, AVX2's 16 would spill */
+#ifdef __AVX512F__
+#define WIDE_ROWS 1
+#else
+#define WIDE_ROWS 0
+#endif
 #define TILE(NB, R) tile(x + m * K, K, xsum + m * ng, ng, codes, scale, zero, G, bias, y + m * N, N, b0, NB, R)
 #define ROWS(NB)                                                 \
     do {                                                         \
         int64_t m = 0;                                           \
-        if (NB <= 2)                                             \
+        if (NB <= 2 && WIDE_ROWS)                                \
             for (; m + 4 <= M; m += 4) TILE(NB, 4);              \
         if (NB <= 2)                                             \
             for (; m + 2 <= M; m += 2) TILE(NB, 2);              \
@@ -89,8 +95,8 @@ int sq_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, c
             xsum[m * ng + g] = s;
         }
     /* one row: 4 blocks (32 outputs) per tile, lo/hi accumulators 8 chains; more rows: 2 blocks x 4 rows, then x 2,
-     * then x 1 (4 rows share each code's unpacking: 15-17% faster than 2 at 4-256 rows, 1536x576 here; 24
-     * accumulators and 8 broadcasts fit AVX512's 32 vector registers) */
+     * then x 1 (4 rows share each code's unpacking: 15-17% faster than 2 at 4-256 rows, 1536x576 here; AVX512
+     * builds only, see WIDE_ROWS) */
     const int64_t nbw = M == 1 ? 4 : 2, ntile = (nblk + nbw - 1) / nbw;
 #pragma omp parallel for schedule(static) if (ntile > 1 && M * N * K > 32768)
     for (int64_t i = 0; i < ntile; i++) {
