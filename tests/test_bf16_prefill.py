@@ -100,6 +100,7 @@ def test_a_bf16_prompt_pass_runs_bf16_products_close_to_fp32_and_nothing_else_ch
     assert not prefill_runs_bf16(exact) and prefill_runs_bf16(fast)
     layers = [m for m in fast.modules() if hasattr(m, "bf16_weight")]
     assert layers and all(m.bf16_weight.dtype == torch.bfloat16 for m in layers)
+    assert not hasattr(fast.get_output_embeddings(), "bf16_weight")  # a prompt pass keeps one row of logits
     assert not any(hasattr(m, "bf16_weight") for m in exact.modules())
     assert not any("bf16_weight" in k for k in fast.state_dict())  # a runtime copy, never saved
     ids = _prompt(pair[0].tokenizer, 40)
@@ -115,8 +116,8 @@ def test_a_bf16_prompt_pass_runs_bf16_products_close_to_fp32_and_nothing_else_ch
     assert not bf16_rows
     with _bf16_products() as bf16_rows:
         prompt = _pass(fast, ids, new(48), bf16=True)
-    # every layer's products ran in bf16 (q, k, v, o, gate, up, down; the head's too: all 40 rows' logits) ...
-    assert len(bf16_rows) == 7 * fast.config.num_hidden_layers + 1 and set(bf16_rows) == {40}
+    # every layer's products ran in bf16 (q, k, v, o, gate, up, down; the head keeps fp16 storage's own path) ...
+    assert len(bf16_rows) == 7 * fast.config.num_hidden_layers and set(bf16_rows) == {40}
     probs, ref_probs = prompt.softmax(-1), reference.softmax(-1)
     tv = 0.5 * (probs - ref_probs).abs().sum(-1)
     assert tv.max() < 0.05 and (prompt.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9  # ... close to fp32
@@ -223,3 +224,23 @@ def test_a_quantized_checkpoints_long_prompt_dequantizes_to_bf16_and_its_steps_s
     _pass(exact, ids[:, :-4], caches[1], bf16=False)
     for step in (ids[:, -4:-3], ids[:, -3:]):  # a decode step, a verify pass: the kernels', identical
         assert torch.equal(_pass(exact, step, caches[0], bf16=True), _pass(fast, step, caches[1], bf16=True))
+
+
+def test_int8_layers_keep_their_own_prompt_paths_in_a_bf16_prompt_pass():
+    from toolkit.quant.primitives import QuantConfig, choose_qparams, quantize
+    from toolkit.quant.qlinear import QuantLinear
+    from toolkit.quant.quantized_weight import QuantizedWeight
+
+    w = torch.randn(64, 128) * 0.05
+    config = QuantConfig(bits=8, group_size=-1, symmetric=True)
+    scale, zero = choose_qparams(w, config)
+    layer = QuantLinear.from_quantized(QuantizedWeight(quantize(w, scale, zero, config), scale, zero, config))
+    assert layer.kernel == "int8pack"
+    for rows in (BF16_PREFILL_MIN_ROWS, 100, 300):
+        x = torch.randn(rows, 128)
+        layer.prefill_bf16 = False
+        expected = layer(x)
+        layer.prefill_bf16 = True
+        with bf16_prefill():
+            assert torch.equal(layer(x), expected), rows
+

@@ -168,13 +168,10 @@ def test_the_bf16_prefill_whatif_runs_a_bf16_prepared_copy_and_says_when_it_does
 
     quality = quality_change(options, quality_slice(loaded.tokenizer, "pydoc", 48, 2), chunk=16)
     assert quality["bf16-prefill"]["scored"] == "measured" and 0 < quality["bf16-prefill"]["kl"] < 0.05
-    # already bf16, quantized, or no native bf16: a note instead of a row
+    # already bf16, or no native bf16: a note instead of a row
     _, notes = whatifs.build_options(["bf16-prefill"], option.model, str(tiny_llama_dir), half, None, None,
                                      loaded.tokenizer, quantized_input=False)
     assert notes == ["bf16-prefill: skipped, the baseline already runs bf16 prompt passes"]
-    _, notes = whatifs.build_options(["bf16-prefill"], loaded.model, str(tiny_llama_dir), half, None, None,
-                                     loaded.tokenizer, quantized_input=True)
-    assert "is quantized" in notes[0]
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     _, notes = whatifs.build_options(["bf16-prefill"], loaded.model, str(tiny_llama_dir), half, None, None,
                                      loaded.tokenizer, quantized_input=False)

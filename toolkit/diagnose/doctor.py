@@ -106,7 +106,8 @@ def diagnose(cfg, loaded, progress=None) -> dict:
     command = base_command(cfg)
     on_dir = command.replace(f"model={cfg.model.name} ", "model=DIR ", 1)
     served = f"specquant serve model={cfg.model.name}"
-    apply = {o.name: (f"{command} {o.apply}" if o.knob in ("kv", "spec", "engine", "prefill") else f"{o.apply} && {on_dir}"
+    overrides = ("kv", "spec", "engine", "prefill")  # options applied as overrides of the baseline's command
+    apply = {o.name: (f"{command} {o.apply}" if o.knob in overrides else f"{o.apply} && {on_dir}"
                       if o.knob == "weights" else f"{served} {o.apply}" if o.knob == "prefix" else command)
              for o in options}
     for name, row in rows.items():

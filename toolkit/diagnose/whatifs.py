@@ -10,8 +10,9 @@ Options (names used by `whatifs=`):
     prefix-cache      the prompts in order through one paged KV cache with prefix reuse, as `specquant serve
                       prefix_cache=true` runs them: later prompts skip the whole blocks earlier ones began with
                       (prefix_cache.py)
-    bf16-prefill      the prompt's products in bf16, decode unchanged (engine.prefill_dtype=bf16): float models with
-                      fp16-stored weights under fp32 activations, on a CPU with native bf16
+    bf16-prefill      the prompt's products in bf16, decode unchanged (engine.prefill_dtype=bf16): models with
+                      half-stored float weights under fp32 activations (int4 checkpoints too: their 4-bit layers
+                      dequantize to bf16), on a CPU with native bf16
 """
 
 from dataclasses import dataclass, field
@@ -169,9 +170,6 @@ def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, s
             options.append(Option(name, knob, compiled_copy(model_name, engine_cfg), kv_cfg, spec_cfg,
                                   apply="engine.compile=true engine.gemm=torch"))
         elif knob == "prefill":
-            if quantized_input:
-                notes.append(f"{name}: skipped, model={model_name} is quantized: its layers keep their own prompt path")
-                continue
             if prefill_runs_bf16(base):
                 notes.append(f"{name}: skipped, the baseline already runs bf16 prompt passes")
                 continue

@@ -287,6 +287,8 @@ def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype,
                       and precision.weights == torch.float16 and precision.compute == torch.float32)
         if wide_copy == "auto":
             wide_copy = wide_copy_fits(model)
+        # a prompt pass keeps only its last position's logits (one row): the output head needs no bf16 copy
+        head = model.get_output_embeddings()
         for module in model.modules():
             if type(module) is torch.nn.Linear:
                 module.weight.data = module.weight.data.to(precision.weights)
@@ -295,7 +297,7 @@ def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype,
                     pack_fbgemm_fp16(module, FBGEMM_MAX_ROWS)
                 if wide_copy and wide is not None:
                     module.register_buffer("wide_weight", module.weight.data.to(wide), persistent=False)
-                if prefill == "bf16":  # through fp32: torch's direct fp16 -> bf16 cast is a slow scalar loop here
+                if prefill == "bf16" and module is not head:  # through fp32: torch's fp16 -> bf16 cast is a scalar loop
                     module.register_buffer("bf16_weight", module.weight.data.float().to(torch.bfloat16),
                                            persistent=False)
     embedding = model.get_input_embeddings()

@@ -125,7 +125,6 @@ UPCAST_MIN_ROWS=4 because dequantizing is a fixed per-call cost that a float-wei
 and verify batches always stay on the kernel. Under a bf16 prompt pass (`prefill_bf16`) the dequantize path
 multiplies in bf16 and wins from BF16_DEQUANT_MIN_ROWS rows (engine/precision.py)."""
 
-
 INT8_DYNAMIC_MIN_ROWS = 64
 """int8pack products with at least this many rows run int8 x int8 (`toolkit.quant.int8_dynamic`: activations
 quantized per row to 7 bits, 16 outlier channels in fp32); between KERNEL_MAX_ROWS and this, dequantize + fp32.
@@ -166,8 +165,9 @@ class QuantLinear(torch.nn.Module):
 
     prefill_bf16 = False
     """Set on a layer by `prepare_model(..., prefill="bf16")` (engine.prefill_dtype): inside a prompt pass
-    (`bf16_prefill`), its dequantize path (products of `kernel_max_rows` rows or more that are not int8 x int8)
-    dequantizes to bf16 and multiplies in bf16 (fp32 accumulation), ~2x faster for long prompts here."""
+    (`bf16_prefill`), a layer other than int8pack takes its dequantize path from BF16_DEQUANT_MIN_ROWS rows (or its
+    `kernel_max_rows`, if lower), dequantizing to bf16 and multiplying in bf16 (fp32 accumulation), ~2x faster for
+    long prompts here. int8pack layers ignore it: their exact kernel and int8 x int8 are faster."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, kernel: str):
         super().__init__()
@@ -289,7 +289,9 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         y = None
-        bf16 = self.prefill_bf16 and bf16_prompt_rows(rows) and x.dtype == torch.float32
+        # int8 layers keep their own prompt paths (exact kernel, then int8 x int8) in a bf16 prompt pass too
+        bf16 = (self.prefill_bf16 and self.kernel != "int8pack" and bf16_prompt_rows(rows)
+                and x.dtype == torch.float32)
         if 0 < rows < (min(self.kernel_max_rows, BF16_DEQUANT_MIN_ROWS) if bf16 else self.kernel_max_rows):
             y = self._kernel(x.reshape(rows, self.in_features))
             y = y.to(x.dtype)
