@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(library() is None, reason="the native decoder is
                                                           "AVX2, or SPECQUANT_NO_KERNELS is set)")
 
 
-@pytest.fixture(params=["llama-int4", "qwen2-int4", "llama-fp16", "qwen2-fp16", "wide-fp16", "wide-int4"])
+@pytest.fixture(params=["llama-int4", "qwen2-int4", "llama-fp16", "qwen2-fp16", "wide-fp16", "wide-int4", "llama-int8",
+                        "wide-int8"])
 def native_model(request, tiny_llama_dir, tiny_qwen2, tiny_tokenizer):
     """int4: every decoder Linear an int4 QuantLinear on specquant's kernel (the int4 self-draft of an engine-prepared
     fp32 model: fp16 output head on fbgemm, whose products are row-independent too), under the lean forward. fp16: the
@@ -45,7 +46,12 @@ def native_model(request, tiny_llama_dir, tiny_qwen2, tiny_tokenizer):
         target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prepare_model(target, Precision(torch.float32, torch.float16), gemm="fbgemm")
     install(target)
-    model = build_self_draft(target, bits=4, group_size=32) if kind == "int4" else target
+    if kind == "int4":
+        model = build_self_draft(target, bits=4, group_size=32)
+    elif kind == "int8":  # int8 per-channel symmetric: specquant's int8 GEMM (an int8 checkpoint's layers)
+        model = build_self_draft(target, bits=8, group_size=-1)
+    else:
+        model = target
     if model.forward.native_decoder() is None:
         pytest.skip(f"the native decoder does not run this model here: {model.forward.native_reason}")
     model.specquant_test_kind = kind
@@ -75,11 +81,11 @@ def script(forward, model, batch: int = 1):
 def test_native_logits_are_the_lean_forwards_within_fp32_rounding(native_model):
     native = script(native_model.forward, native_model)
     torch_ops = script(LeanForward(native_model, native=False), native_model)
-    if native_model.specquant_test_kind == "int4":
+    if native_model.specquant_test_kind in ("int4", "int8"):
         assert torch.equal(native[0], torch_ops[0])  # the prompt fills an empty cache through the torch path
     else:
         assert native_model.forward.native_decoder().runs_prompts  # fp16: the C stack runs the prompt too
-    first = 1 if native_model.specquant_test_kind == "int4" else 0
+    first = 1 if native_model.specquant_test_kind in ("int4", "int8") else 0
     for a, b in zip(native[first:], torch_ops[first:]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -173,7 +179,10 @@ def test_speculative_greedy_output_with_a_native_target_is_the_target_alone(nati
 
     texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 400]
     prompts = [texts[3 * i][:50 + 9 * i] + " " + texts[3 * i][:20] for i in range(6)]
-    reference = [s.token_ids for s in generate(native_model, tiny_tokenizer, prompts, 20, stop_tokens=set()).sequences]
+    # one prompt at a time, as the speculative runs: an int8 layer's prompt path depends on the rows of the whole
+    # batch (its exact kernel below INT8_NATIVE_MAX_ROWS rows, int8 x int8 from there), so a batched prefill can differ
+    reference = [generate(native_model, tiny_tokenizer, [p], 20, stop_tokens=set()).sequences[0].token_ids
+                 for p in prompts]
     widths = []
     feed = RaggedBatch.feed
     for i, prompt in enumerate(prompts):

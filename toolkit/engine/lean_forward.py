@@ -265,6 +265,29 @@ class Int4N8Pack(NamedTuple):
         return self.run(x).split(self.sizes, dim=-1)
 
 
+class Int8Pack(NamedTuple):
+    """Several int8 per-channel QuantLinear layers on specquant's int8 GEMM (`toolkit.quant.int8_native`) stacked along
+    the output dim: per-channel weights and scales stack row by row. Runs as each layer's kernel path does (fp32
+    activations, bias in the kernel); like the int4 packs it is a copy (1 byte per weight of q,k,v and gate,up), and
+    a decode step reads only it."""
+    weight: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
+    max_rows: int
+    sources: tuple
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        from toolkit.quant import int8_native
+
+        rows = x.numel() // x.shape[-1]
+        y = int8_native.linear(x.reshape(rows, x.shape[-1]), self.weight, self.scale, self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.run(x).split(self.sizes, dim=-1)
+
+
 def _stacked_bias(modules) -> torch.Tensor | None:
     """The layers' fp32 biases stacked along the output dim (zeros for a layer without one), or None if none has one."""
     if all(m.bias is None for m in modules):
@@ -296,6 +319,20 @@ def _fuse_int4n8(modules) -> Int4N8Pack | None:
                     modules)
 
 
+def _fuse_int8(modules) -> Int8Pack | None:
+    """An Int8Pack of int8 QuantLinear layers on specquant's int8 GEMM with one input width, or None."""
+    from toolkit.quant.qlinear import QuantLinear
+
+    first = modules[0]
+    if not all(type(m) is QuantLinear and m.kernel == "int8pack" and m.int8_native
+               and m.in_features == first.in_features and m.kernel_max_rows == first.kernel_max_rows
+               and m.weight_int8.device.type == "cpu" for m in modules):
+        return None
+    return _checked(Int8Pack(torch.cat([m.weight_int8 for m in modules]).contiguous(),
+                             torch.cat([m.scale for m in modules]).contiguous(), _stacked_bias(modules),
+                             tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules)), modules)
+
+
 def _fuse_int4(modules) -> Int4Pack | Int4N8Pack | None:
     """An Int4Pack of QuantLinear layers that run torch's int4 kernel on the same input width and group (an
     Int4N8Pack of layers on specquant's int4 GEMM, `_fuse_int4n8`), or None.
@@ -319,9 +356,9 @@ def _fuse_int4(modules) -> Int4Pack | Int4N8Pack | None:
                              first.kernel_max_rows, tuple(modules)), modules)
 
 
-def _fuse(modules) -> FusedPack | Int4Pack | Int4N8Pack | None:
+def _fuse(modules) -> FusedPack | Int4Pack | Int4N8Pack | Int8Pack | None:
     if not all(type(m) is HalfStorageLinear and getattr(m, "fbgemm_fp16", None) is not None for m in modules):
-        return _fuse_int4(modules)
+        return _fuse_int8(modules) or _fuse_int4(modules)
     weight = torch.cat([m.weight.detach().float() for m in modules])
     biases = [m.bias for m in modules]
     bias = None
@@ -336,7 +373,8 @@ def _fuse(modules) -> FusedPack | Int4Pack | Int4N8Pack | None:
 
 def fuse_projections(model) -> int:
     """Give each decoder layer of a lean-supported model fused q,k,v and gate,up packs, fbgemm fp16 (see the module
-    docstring) or int4 (`Int4Pack`); returns how many packs were made (0 where the layers are neither)."""
+    docstring), int8 (`Int8Pack`) or int4 (`Int4Pack`, `Int4N8Pack`); returns how many packs were made (0 where the
+    layers are none of these)."""
     made = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -350,7 +388,7 @@ def fuse_projections(model) -> int:
     return made
 
 
-def _pack(module, name: str, *layers) -> FusedPack | Int4Pack | Int4N8Pack | None:
+def _pack(module, name: str, *layers) -> FusedPack | Int4Pack | Int4N8Pack | Int8Pack | None:
     """`module`'s fused pack of `layers`, or None. A layer swapped since the pack was made (a self-draft's quantized
     copy) makes it stale: then the layers run themselves. fbgemm computes in fp32, so exact_linears (an fp16
     overflow's rerun) keeps a fused pack, as it keeps the separate layers' packs."""
@@ -360,18 +398,24 @@ def _pack(module, name: str, *layers) -> FusedPack | Int4Pack | Int4N8Pack | Non
     return pack
 
 
+def _unfused_in_bf16(pack, rows: int) -> bool:
+    """In a bf16 prompt pass: fp16 packs give way to their layers' bf16 products, int4 packs from
+    BF16_DEQUANT_MIN_ROWS rows (their layers' bf16 dequantize path); int8 packs keep their exact kernel."""
+    return type(pack) is FusedPack or (type(pack) is not Int8Pack and rows >= BF16_DEQUANT_MIN_ROWS)
+
+
 class _LayerPlan(NamedTuple):
     """What one decoder layer runs, looked up once (module attribute lookups cost more than some of the operators
     they feed on a model this small) and reused until a module is swapped (`_GENERATION`)."""
     attn: torch.nn.Module
     input_norm: torch.nn.Module
-    qkv: FusedPack | Int4Pack | Int4N8Pack | None
+    qkv: FusedPack | Int4Pack | Int4N8Pack | Int8Pack | None
     q: torch.nn.Module
     k: torch.nn.Module
     v: torch.nn.Module
     o: torch.nn.Module
     post_norm: torch.nn.Module
-    gate_up: FusedPack | Int4Pack | Int4N8Pack | None
+    gate_up: FusedPack | Int4Pack | Int4N8Pack | Int8Pack | None
     gate: torch.nn.Module
     up: torch.nn.Module
     act: object  # F.silu where the module is exactly that (no module call), else the activation module
@@ -487,7 +531,7 @@ class LeanForward:
             x = _norm(plan.input_norm, hidden)  # the norm's own arithmetic, without a module call
             shape = (batch, length, -1, attn.head_dim)
             qkv = plan.qkv if plan.qkv is not None and rows < plan.qkv.max_rows else None
-            if bf16 and (type(qkv) is FusedPack or rows >= BF16_DEQUANT_MIN_ROWS):  # the layers' own bf16 products
+            if bf16 and _unfused_in_bf16(qkv, rows):  # the layers' own bf16 products
                 qkv = None
             if qkv is not None:  # q and k sit side by side in the fused output: rotate them in one pass
                 out = qkv.run(x)
@@ -510,7 +554,7 @@ class LeanForward:
             hidden = hidden + _linear(plan.o, out.reshape(batch, length, -1).contiguous(), rows)
             x = _norm(plan.post_norm, hidden)
             gate_up = plan.gate_up if plan.gate_up is not None and rows < plan.gate_up.max_rows else None
-            if bf16 and (type(gate_up) is FusedPack or rows >= BF16_DEQUANT_MIN_ROWS):
+            if bf16 and _unfused_in_bf16(gate_up, rows):
                 gate_up = None
             if gate_up is not None:
                 gate, up = gate_up(x)

@@ -12,7 +12,8 @@ The float model gains the same way: its decode step went from ~14.4-14.9 ms thro
 
 When it runs (`NativeDecoder.applies`; anything else takes the lean forward's torch path, same model):
 - every decoder layer's q,k,v and gate,up are fused `Int4N8Pack`s and o, down `"int4n8"` QuantLinear layers (a
-  quantized int4 checkpoint or the int4 self-draft on specquant's kernels), or all four are fp16 products on
+  quantized int4 checkpoint or the int4 self-draft on specquant's kernels), or fused `Int8Pack`s and int8
+  QuantLinear layers on specquant's int8 GEMM (an int8 per-channel checkpoint), or all four are fp16 products on
   fbgemm (fused `FusedPack`s and fp16-stored `HalfStorageLinear`s: the engine's default float precision on x86),
   which the stack runs from h16 packs of the same fp16 weights (made once per layer and kept on it: a second fp16
   copy of the decoder's weights, 212 MB for SmolLM2) where the CPU has AVX512F; its norms RMSNorms, its activation
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit import cbuild
-from toolkit.quant import half_native, int4_native, vnni
+from toolkit.quant import half_native, int4_native, int8_native, vnni
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,14 @@ FLAGS = [*int4_native.FLAGS, "-lm"]  # the int4 GEMM's flags (no FP contraction:
 ACTIVATIONS = ("fp32", "int8")
 
 
-N8, W4A8, H16 = 0, 1, 2  # a product's kind (`_Q4.kind`), as decoder_layers.c dispatches it
+N8, W4A8, H16, I8 = 0, 1, 2, 3  # a product's kind (`_Q4.kind`), as decoder_layers.c dispatches it
 
 
 class _Q4(ctypes.Structure):
     """One product: an int4 n8 pack (`toolkit.quant.int4_native`, kind N8), a v16 pack (`toolkit.quant.vnni`, int8
-    activations, kind W4A8) or an fp16 h16 pack in `codes` (`toolkit.quant.half_native`, kind H16; no scale, zero or
-    group); its fp32 bias or NULL, out, in and group."""
+    activations, kind W4A8), an fp16 h16 pack in `codes` (`toolkit.quant.half_native`, kind H16; no scale, zero or
+    group) or int8 per-channel weights in `codes` with fp32 scales (`toolkit.quant.int8_native`, kind I8; no zero
+    or group); its fp32 bias or NULL, out, in and group."""
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64),
                 ("kind", ctypes.c_int64)]
@@ -84,7 +86,7 @@ def load():
     """Build (once per source, flags and CPU) and load the library, or None with a warning."""
     lib = cbuild.load_library(SOURCE, "decoder-layers", list(FLAGS), "native decoder",
                               "models run the lean forward's torch operators", log,
-                              includes=(int4_native.SOURCE, vnni.SOURCE, half_native.SOURCE))
+                              includes=(int4_native.SOURCE, int8_native.SOURCE, vnni.SOURCE, half_native.SOURCE))
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -198,6 +200,32 @@ def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None
             _q4(*down, keep, activations))
 
 
+def _int8_single(layer) -> tuple | None:
+    """(weight, scale, bias) of an int8 QuantLinear on specquant's int8 GEMM, else None."""
+    from toolkit.quant.qlinear import QuantLinear
+
+    if type(layer) is not QuantLinear or layer.kernel != "int8pack" or not layer.int8_native:
+        return None
+    return layer.weight_int8, layer.scale, layer.bias
+
+
+def _int8_products(plan, keep: list) -> tuple[_Q4, ...] | None:
+    """A layer's structs where all four products are int8 on specquant's int8 GEMM (fused `Int8Pack`s for q,k,v and
+    gate,up), else None. A draft's int8 activations do not apply (`ACTIVATIONS`): the products stay fp32."""
+    from toolkit.engine.lean_forward import Int8Pack
+
+    qkv, gate_up, o, down = plan.qkv, plan.gate_up, _int8_single(plan.o), _int8_single(plan.down)
+    if not (type(qkv) is Int8Pack and type(gate_up) is Int8Pack and o and down):
+        return None
+    products = []
+    for weight, scale, bias in ((qkv.weight, qkv.scale, qkv.bias), o, (gate_up.weight, gate_up.scale, gate_up.bias),
+                                down):
+        keep += [t for t in (weight, scale, bias) if t is not None]
+        products.append(_Q4(weight.data_ptr(), scale.data_ptr(), None, _ptr(bias), weight.shape[0], weight.shape[1],
+                            0, I8))
+    return tuple(products)
+
+
 def _half_products(plan, keep: list) -> tuple[_Q4, ...] | None:
     """A layer's structs where all four products are fp16 on fbgemm (the packs made from the same fp16 weights),
     else None. A draft's int8 activations do not apply: fp16 products stay fp32 (`ACTIVATIONS`)."""
@@ -270,10 +298,11 @@ class NativeDecoder:
                 return None, "no fused q,k,v / gate,up packs (engine.gemm=torch, or a swapped layer)"
             if len(qkv.sizes) != 3 or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1]:
                 return None, "unexpected fused pack shapes"
-            products = _int4_products(plan, keep, activations) or _half_products(plan, keep)
+            products = (_int4_products(plan, keep, activations) or _int8_products(plan, keep)
+                        or _half_products(plan, keep))
             if products is None:
-                return None, ("not every q,k,v / gate,up / o / down product is int4 on specquant's kernel or fp16 "
-                              "on fbgemm with specquant's fp16 kernel available (AVX512F)")
+                return None, ("not every q,k,v / gate,up / o / down product is int4 or int8 on specquant's kernels or "
+                              "fp16 on fbgemm with specquant's fp16 kernel available (AVX512F)")
             if plan.act is not F.silu:
                 return None, "an activation that is not SiLU"
             norms = _fp32(plan.input_norm), _fp32(plan.post_norm)

@@ -5,8 +5,8 @@
  *
  * Why: on SmolLM2-135M a decode step through torch spends most of its time around ~40 small operators per layer
  * (each a dispatch, an allocation, a thread fork), not in the weights. Here a layer is four GEMMs (int4 weights:
- * toolkit/quant/c/int4_gemm.c or vnni_gemm.c; fp16 weights, a float model at the engine's default precision:
- * half_gemm.c; all included below) and a few loops over a few thousand floats.
+ * toolkit/quant/c/int4_gemm.c or vnni_gemm.c; int8 weights: int8_gemm.c; fp16 weights, a float model at the
+ * engine's default precision: half_gemm.c; all included below) and a few loops over a few thousand floats.
  *
  * Exactness: the same model in fp32, not bit-identical to torch's operators (sums are taken in another order);
  * the Python side tests it against transformers' forward within fp32 rounding. What it guarantees instead is row
@@ -30,6 +30,7 @@
 
 #include "half_gemm.c"
 #include "int4_gemm.c"
+#include "int8_gemm.c"
 #include "vnni_gemm.c"
 
 typedef struct {
@@ -39,7 +40,8 @@ typedef struct {
     const float *bias; /* NULL: none */
     int64_t n, k, g;
     /* 0: an n8 pack, fp32 activations (int4_gemm.c); 1: a v16 pack, int8 activations (vnni_gemm.c);
-     * 2: an h16 pack of fp16 weights in `codes` (half_gemm.c; scale, zero and g unused), fp32 activations */
+     * 2: an h16 pack of fp16 weights in `codes` (half_gemm.c; scale, zero and g unused), fp32 activations;
+     * 3: int8 per-channel weights [n, k] in `codes` and fp32 scales [n] (int8_gemm.c; zero and g unused) */
     int64_t kind;
 } sq_q4;
 
@@ -54,6 +56,7 @@ typedef struct {
 } sq_dims;
 
 static int q4(const sq_q4 *w, const float *x, int64_t M, float *y) {
+    if (w->kind == 3) return sq_int8_linear(x, M, w->k, (const int8_t *)w->codes, w->scale, w->bias, w->n, y);
     if (w->kind == 2) return sq_f16_linear(x, M, w->k, (const uint16_t *)w->codes, w->bias, w->n, y);
     if (w->kind == 1) return sq_w4a8_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
     return sq_int4_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);

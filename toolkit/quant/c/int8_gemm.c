@@ -14,9 +14,9 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 
-#define INLINE static inline __attribute__((always_inline))
+#define I8_INLINE static inline __attribute__((always_inline))
 
-INLINE float hsum(__m256 v) {
+I8_INLINE float i8_hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -24,7 +24,7 @@ INLINE float hsum(__m256 v) {
 }
 
 /* channels n0 .. n0+NC-1 x R rows starting at x */
-INLINE void tile(const float *x, int64_t K, const int8_t *w, const float *scale, const float *bias, float *y,
+I8_INLINE void i8_tile(const float *x, int64_t K, const int8_t *w, const float *scale, const float *bias, float *y,
                  int64_t N, int64_t n0, const int NC, const int R) {
     __m256 acc[4][4];  /* [rows][channels], R <= 4 */
     for (int r = 0; r < R; r++)
@@ -39,24 +39,24 @@ INLINE void tile(const float *x, int64_t K, const int8_t *w, const float *scale,
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < NC; c++)
-            y[r * N + n0 + c] = hsum(acc[r][c]) * scale[n0 + c] + (bias ? bias[n0 + c] : 0.f);
+            y[r * N + n0 + c] = i8_hsum(acc[r][c]) * scale[n0 + c] + (bias ? bias[n0 + c] : 0.f);
 }
 
 /* 4-row tiles (16 accumulators, 4 rows of x, one weight vector) where AVX512's 32 vector registers hold them; the
  * weights' widening is then shared by 4 rows instead of 2. Each row's operations are the same either way. */
 #ifdef __AVX512F__
-#define WIDE_ROWS 1
+#define I8_WIDE_ROWS 1
 #else
-#define WIDE_ROWS 0
+#define I8_WIDE_ROWS 0
 #endif
-#define TILE(NC, R) tile(x + m * K, K, w, scale, bias, y + m * N, N, n0, NC, R)
-#define ROWS(NC)                                    \
+#define I8_TILE(NC, R) i8_tile(x + m * K, K, w, scale, bias, y + m * N, N, n0, NC, R)
+#define I8_ROWS(NC)                                    \
     do {                                            \
         int64_t m = 0;                              \
-        if (WIDE_ROWS)                              \
-            for (; m + 4 <= M; m += 4) TILE(NC, 4); \
-        for (; m + 2 <= M; m += 2) TILE(NC, 2);     \
-        for (; m < M; m++) TILE(NC, 1);             \
+        if (I8_WIDE_ROWS)                              \
+            for (; m + 4 <= M; m += 4) I8_TILE(NC, 4); \
+        for (; m + 2 <= M; m += 2) I8_TILE(NC, 2);     \
+        for (; m < M; m++) I8_TILE(NC, 1);             \
     } while (0)
 
 int sq_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *bias,
@@ -67,10 +67,10 @@ int sq_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const 
     for (int64_t i = 0; i < ntile; i++) {
         const int64_t n0 = i * 4, nc = N - n0 < 4 ? N - n0 : 4;
         switch (nc) {
-            case 4: ROWS(4); break;
-            case 3: ROWS(3); break;
-            case 2: ROWS(2); break;
-            default: ROWS(1); break;
+            case 4: I8_ROWS(4); break;
+            case 3: I8_ROWS(3); break;
+            case 2: I8_ROWS(2); break;
+            default: I8_ROWS(1); break;
         }
     }
     return 0;
