@@ -1,11 +1,12 @@
 """A whole decoder stack in one C call per forward (toolkit/engine/c/decoder_layers.c): the lean forward's "native"
-path for int4 checkpoints, the int4 self-draft, and float models at the engine's default precision (fp16 weights,
-fp32 activations).
+path for int4 and int8 checkpoints, the int4 self-draft, and float models at the engine's default precision (fp16
+weights, fp32 activations).
 
 Why: with int4 weights on specquant's GEMM, a SmolLM2-135M decode step through torch ops spent ~17 ms against a
 ~4 ms bandwidth floor; what remained was ~40 small operators per layer (norms, rotary, cache writes, attention,
 residuals), each a dispatch, an allocation and a thread fork, not the weights. Here each layer is four GEMMs
-(int4: `toolkit.quant.int4_native` or `toolkit.quant.vnni`; fp16: `toolkit.quant.half_native`) and a few C loops.
+(int4: `toolkit.quant.int4_native` or `toolkit.quant.vnni`; int8: `toolkit.quant.int8_native`; fp16:
+`toolkit.quant.half_native`) and a few C loops.
 The float model gains the same way: its decode step went from ~14.4-14.9 ms through torch ops to ~7.7-7.9 ms
 (`python -m toolkit.engine.native_decoder smollm2-135m`, 2026-12-05). `python -m toolkit.engine.native_decoder
 [MODEL]` times it against the lean forward's torch path on the same model and cache.
