@@ -203,6 +203,17 @@ def _linear(module, x: torch.Tensor, rows: int) -> torch.Tensor:
     return module(x)
 
 
+def _split_outputs(pack, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A fused pack's product split back into its layers' outputs (every pack's `__call__`)."""
+    return pack.run(x).split(pack.sizes, dim=-1)
+
+
+def _on_rows(x: torch.Tensor, product) -> torch.Tensor:
+    """`product` (a kernel taking fp32 rows [rows, in]) applied to x [..., in], in x's dtype and leading shape."""
+    y = product(x.reshape(-1, x.shape[-1]))
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
 class FusedPack(NamedTuple):
     """One fbgemm fp16 pack of several Linear layers' weights stacked along the output dim."""
     packed: torch.Tensor
@@ -213,8 +224,7 @@ class FusedPack(NamedTuple):
     def run(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.run(x).split(self.sizes, dim=-1)
+    __call__ = _split_outputs
 
 
 class Int4Pack(NamedTuple):
@@ -237,8 +247,7 @@ class Int4Pack(NamedTuple):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.run(x).split(self.sizes, dim=-1)
+    __call__ = _split_outputs
 
 
 class Int4N8Pack(NamedTuple):
@@ -257,12 +266,9 @@ class Int4N8Pack(NamedTuple):
     def run(self, x: torch.Tensor) -> torch.Tensor:
         from toolkit.quant import int4_native
 
-        rows = x.numel() // x.shape[-1]
-        y = int4_native.linear(x.reshape(rows, x.shape[-1]), self.codes, self.scale, self.zero, self.group, self.bias)
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        return _on_rows(x, lambda x2: int4_native.linear(x2, self.codes, self.scale, self.zero, self.group, self.bias))
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.run(x).split(self.sizes, dim=-1)
+    __call__ = _split_outputs
 
 
 class Int8Pack(NamedTuple):
@@ -280,12 +286,9 @@ class Int8Pack(NamedTuple):
     def run(self, x: torch.Tensor) -> torch.Tensor:
         from toolkit.quant import int8_native
 
-        rows = x.numel() // x.shape[-1]
-        y = int8_native.linear(x.reshape(rows, x.shape[-1]), self.weight, self.scale, self.bias)
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        return _on_rows(x, lambda x2: int8_native.linear(x2, self.weight, self.scale, self.bias))
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.run(x).split(self.sizes, dim=-1)
+    __call__ = _split_outputs
 
 
 def _stacked_bias(modules) -> torch.Tensor | None:
