@@ -138,8 +138,10 @@ class HalfStorageLinear(torch.nn.Linear):
         """The product in bf16 (fp32 accumulation, fp32 result) inside `bf16_prefill()` for a layer that holds a
         bf16 copy of its weight (`prepare_model(..., prefill="bf16")`) and at least BF16_PREFILL_MIN_ROWS fp32 rows;
         else None. Not exact: x and the weight are rounded to bf16's 8 significant bits."""
+        if not bf16_prompt_rows(rows):  # the class flags first: every lean product asks (module lookups cost more)
+            return None
         weight = getattr(self, "bf16_weight", None)
-        if weight is None or x.dtype != torch.float32 or not bf16_prompt_rows(rows):
+        if weight is None or x.dtype != torch.float32:
             return None
         y = F.linear(x.to(torch.bfloat16), weight).to(torch.float32)
         return y if self.bias is None else y + self.bias

@@ -292,7 +292,8 @@ class QuantLinear(torch.nn.Module):
         # int8 layers keep their own prompt paths (exact kernel, then int8 x int8) in a bf16 prompt pass too
         bf16 = (self.prefill_bf16 and self.kernel != "int8pack" and bf16_prompt_rows(rows)
                 and x.dtype == torch.float32)
-        if 0 < rows < (min(self.kernel_max_rows, BF16_DEQUANT_MIN_ROWS) if bf16 else self.kernel_max_rows):
+        limit = min(self.kernel_max_rows, BF16_DEQUANT_MIN_ROWS) if bf16 else self.kernel_max_rows
+        if 0 < rows < limit:
             y = self._kernel(x.reshape(rows, self.in_features))
             y = y.to(x.dtype)
             if self._native:
@@ -367,19 +368,13 @@ class QuantLinear(torch.nn.Module):
         if self.kernel == "int8pack":
             w = torch.mul(self.weight_int8[n0:n1], self.scale[n0:n1, None], out=buf.view(n, k))
         elif self.kernel == "int4n8":
+            # one C pass (the kernel is built wherever a layer runs int4n8), into bf16 directly when asked for it
             b0, b1 = n0 // int4_native.BLOCK_N, n1 // int4_native.BLOCK_N
-            if dtype in (torch.float32, torch.bfloat16):  # one C pass (the same values as below), bf16 directly
-                out = buf.view(n, k) if dtype == torch.float32 else buf.view(torch.bfloat16)[:n * k].view(n, k)
-                return int4_native.dequantize(self.weight_int4n8, self.scale, self.zero, self.group_size, b0, b1,
-                                              out)
-            w = int4_native.unpack_codes(self.weight_int4n8, b0, b1, out=buf.view(n, k))
-            zero = int4_native.blocked_to_rows(self.zero[b0:b1]).float()
-            scale = int4_native.blocked_to_rows(self.scale[b0:b1])
-            if k % gs:  # a ragged last group: each column's group
-                gi = torch.arange(k, device=w.device) // gs
-                w.sub_(zero[:, gi]).mul_(scale[:, gi])
-            else:
-                w.view(n, k // gs, gs).sub_(zero[:, :, None]).mul_(scale[:, :, None])
+            bf16 = dtype == torch.bfloat16
+            out = buf.view(torch.bfloat16)[:n * k].view(n, k) if bf16 else buf.view(n, k)
+            w = int4_native.dequantize(self.weight_int4n8, self.scale, self.zero, self.group_size, b0, b1, out)
+            if bf16:
+                return w
         elif self.kernel == "int4pack":  # built as W.T [in, n] so the packed layout is read in order
             kp = self.kernel_in  # in, or in padded to a whole last group
             wt = buf.view(kp, n)
