@@ -328,3 +328,65 @@ def test_input_collector_reads_rows_and_channel_means_without_concatenating():
     index = torch.tensor([0, 4, 9, 10, 11, 15, 29])
     torch.testing.assert_close(collector.take_rows(index), every[index])
     torch.testing.assert_close(collector.mean_abs(), every.abs().mean(0))
+
+
+def _correlated_outlier_inputs(tokens=4096, cols=128, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, cols, generator=g) @ torch.randn(cols, cols, generator=g) / cols ** 0.5
+    x = x + 0.05 * torch.randn(tokens, cols, generator=g)
+    x[:, :4] *= 30.0
+    return x
+
+
+def test_awq_gptq_rounding_solves_under_the_scaled_inputs_hessian():
+    """awq_rounding=gptq: after the fold the Linear reads x / s, and its codes are GPTQ's under the Hessian of
+    x / s, got from the float inputs' Hessian as H / (s sᵀ) (no second pass over the data); on correlated inputs
+    with outlier channels they beat AWQ's round-to-nearest codes on the same scaled weight by a margin."""
+    from toolkit.quant.calibrate import GPTQLayerQuantizer
+    from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(96, 128, generator=g) * 0.05
+    x = _correlated_outlier_inputs()
+    lin = nn.Linear(128, 96, bias=False)
+    lin.weight.data.copy_(w)
+    s, _, _ = search_scales(x, [lin], CONFIG, AWQOptions())
+    lin.weight.data.mul_(s)  # the fold: the Linear's columns times s, its input divided by s
+    recipe = QuantRecipe(method="awq", bits=4, group_size=32, symmetric=False, awq_rounding="gptq")
+    quantizer = AWQLayerQuantizer(CONFIG, AWQOptions(), GPTQLayerQuantizer(recipe))
+    quantizer._scales = {id(lin): s}
+    collector = quantizer.accumulator(lin)
+    for part in x.split(1000):
+        collector.add(part)
+    qw = quantizer.quantize("layer", lin, collector)
+
+    direct = HessianAccumulator(128)
+    direct.add(x / s)
+    expected, _ = gptq_quantize(lin.weight, direct.hessian, CONFIG, damp_percent=recipe.damp_percent)
+    assert float((qw.codes == expected.codes).float().mean()) > 0.995  # equal but for fp32 rounding at ties
+
+    rtn = AWQLayerQuantizer(CONFIG, AWQOptions()).quantize("layer", lin, collector)
+    xs = x / s
+    err = {name: _rel_output_error(xs, lin.weight.detach(), q.dequantize().float()) for name, q in (("gptq", qw), ("rtn", rtn))}
+    assert err["gptq"] < 0.8 * err["rtn"], err
+
+
+def test_awq_gptq_rounding_end_to_end(tiny_llama_dir, tiny_tokenizer):
+    """The blockwise driver with awq_rounding=gptq: every Linear quantized, codes unlike AWQ's round-to-nearest
+    ones, the GPTQ knobs in the quantizer's fingerprint (resumable runs tell the two apart)."""
+    from toolkit.quant.calibrate import layer_quantizer_for
+
+    runs = {}
+    for rounding in ("rtn", "gptq"):
+        recipe = _awq_recipe(calib_dtype="fp32", awq_rounding=rounding, awq_clip=False, act_order=True)
+        runs[rounding] = make_quantized_state_dict(_load(tiny_llama_dir), tiny_tokenizer, recipe, progress=False)
+        assert set(runs[rounding].weights) == set(quantizable_linears(_load(tiny_llama_dir), recipe)[0])
+    changed = [n for n in runs["rtn"].weights
+               if not torch.equal(runs["rtn"].weights[n].codes, runs["gptq"].weights[n].codes)]
+    assert len(changed) == len(runs["rtn"].weights)
+    assert any(qw.g_idx is not None for qw in runs["gptq"].weights.values())  # act-order reached the solve
+    fingerprint = layer_quantizer_for(_awq_recipe(awq_rounding="gptq", act_order=True)).fingerprint()
+    assert fingerprint["rounding"]["act_order"] is True
+    assert "rounding" not in layer_quantizer_for(_awq_recipe()).fingerprint()
+    with pytest.raises(ValueError, match="awq_rounding"):
+        QuantRecipe(method="awq", awq_rounding="nearest")

@@ -24,6 +24,11 @@ One block at a time, on the float inputs each Linear saw (`InputCollector`):
    per output channel and group, ``max|w|`` is shrunk by ``i / clip_grid`` for ``i < max_shrink * clip_grid``
    and the value with the least error of ``x · w`` per group, on ``clip_tokens`` tokens, is kept
    (the weight is clamped to ``±max``).
+4. **Rounding**: round-to-nearest on the scaled, clipped weight (``rounding=None``, the paper's), or GPTQ
+   (``rounding=`` a `GPTQLayerQuantizer`, recipe ``awq_rounding: gptq``): GPTQ's column-by-column error feedback
+   on the scaled weight, under the Hessian of the inputs the Linear now reads, ``x / s``. That Hessian needs no
+   second pass over the data: ``H' = H / (s sᵀ)`` from the Hessian of the collected float inputs ``x``. AWQ chooses
+   the scales, GPTQ the codes (llm-compressor's AWQ-then-GPTQ recipe; README "AWQ scales with GPTQ rounding").
 """
 
 from __future__ import annotations
@@ -295,10 +300,12 @@ def _mlp_output(mlp: nn.Module, options: AWQOptions):
 
 @torch.no_grad()
 def awq_block(block: nn.Module, linears: dict[str, nn.Linear], collectors: dict[str, InputCollector],
-              producers: dict[str, nn.Module], config: QuantConfig, options: AWQOptions) -> dict[str, dict]:
+              producers: dict[str, nn.Module], config: QuantConfig, options: AWQOptions,
+              scales: dict[int, torch.Tensor] | None = None) -> dict[str, dict]:
     """Scale-search, fold and clip one decoder block's Linears in place (the float block stays equivalent up to
     the clipping). ``collectors`` hold each Linear's float inputs; ``producers`` maps a Linear's name to the
-    norm module whose output is its input (found by the driver). Returns a report per scaling group."""
+    norm module whose output is its input (found by the driver). Returns a report per scaling group; ``scales``
+    (if given) receives, by ``id`` of each scaled Linear, the ``s`` its input is now divided by."""
     by_suffix = {_suffix(n): n for n in linears}
     # (group name, Linears, producer module, inspect module) in block order; a group is only used when whole
     groups = []
@@ -335,6 +342,8 @@ def awq_block(block: nn.Module, linears: dict[str, nn.Linear], collectors: dict[
                                        x_mean=x.mean_abs)
         fold_scales(producer, mods, s)
         x.div_(s)  # the Linears now read x / s (shared rows: once per input)
+        if scales is not None:
+            scales.update({id(m): s for m in mods})
         report[label] = {"alpha": alpha, "loss": loss}
     if options.clip:
         for name, lin in linears.items():
@@ -346,24 +355,56 @@ def awq_block(block: nn.Module, linears: dict[str, nn.Linear], collectors: dict[
 
 class AWQLayerQuantizer:
     """AWQ in the block driver's layer-quantizer protocol: inputs are collected, `prepare_block` runs the
-    scale/clip search and folds, then each Linear is rounded to nearest."""
+    scale/clip search and folds, then each Linear is rounded: to nearest, or by ``rounding`` (a
+    `toolkit.quant.calibrate.GPTQLayerQuantizer`) under the Hessian of its scaled inputs."""
 
     needs_producers = True  # the driver records which norm output feeds which Linear
 
-    def __init__(self, config: QuantConfig, options: AWQOptions = AWQOptions()):
+    def __init__(self, config: QuantConfig, options: AWQOptions = AWQOptions(), rounding=None):
         self.config = config
         self.options = options
+        self.rounding = rounding
         self.last_report: dict = {}
+        self._scales: dict[int, torch.Tensor] = {}  # id(Linear) -> s, this block's
+        self._hessians: dict[tuple[int, int], object] = {}  # (id(collector), id(s)) -> HessianAccumulator
 
     def accumulator(self, linear: nn.Linear):
         return InputCollector()
 
     def prepare_block(self, block, linears, accumulators, producers) -> None:
-        self.last_report = awq_block(block, linears, accumulators, producers, self.config, self.options)
+        self._scales, self._hessians = {}, {}
+        self.last_report = awq_block(block, linears, accumulators, producers, self.config, self.options,
+                                     self._scales)
+
+    def _scaled_hessian(self, linear: nn.Linear, collector: InputCollector):
+        """GPTQ's Hessian of what ``linear`` reads after the fold, x / s: H(x) / (s sᵀ); one per collector and s
+        (q,k,v share both: one Hessian for the three)."""
+        from toolkit.quant.gptq import HessianAccumulator
+
+        s = self._scales.get(id(linear))
+        key = (id(collector), id(s))
+        if key not in self._hessians:
+            acc = HessianAccumulator(linear.in_features)
+            for x in collector.inputs:
+                acc.add(x)
+            if s is not None:
+                inv = 1.0 / s.to(acc.hessian)
+                acc.hessian.mul_(inv[:, None] * inv[None, :])
+            self._hessians[key] = acc
+        return self._hessians[key]
 
     def quantize(self, name: str, linear: nn.Linear, accumulator) -> QuantizedWeight:
-        return rtn_quantize(linear.weight, self.config, linear.bias)
+        if self.rounding is None:
+            return rtn_quantize(linear.weight, self.config, linear.bias)
+        return self.rounding.quantize(name, linear, self._scaled_hessian(linear, accumulator))
+
+    def quantize_together(self, linears: list[nn.Linear], accumulator) -> list[QuantizedWeight]:
+        """Linears fed one tensor (q,k,v; gate,up), scaled by one s: GPTQ solves them as one stacked weight."""
+        if self.rounding is None or len({id(self._scales.get(id(lin))) for lin in linears}) > 1:
+            return [self.quantize("", lin, accumulator) for lin in linears]
+        return self.rounding.quantize_together(linears, self._scaled_hessian(linears[0], accumulator))
 
     def fingerprint(self) -> dict:
         return {"method": "awq", "config": dataclasses.asdict(self.config),
-                "options": dataclasses.asdict(self.options)}
+                "options": dataclasses.asdict(self.options),
+                **({"rounding": self.rounding.fingerprint()} if self.rounding is not None else {})}

@@ -766,7 +766,8 @@ def layer_quantizer_for(recipe: QuantRecipe, device="cpu"):
     if recipe.method == "gptq":
         return GPTQLayerQuantizer(recipe)
     if recipe.method == "awq":
-        return AWQLayerQuantizer(recipe.config, awq_options(recipe, device))
+        return AWQLayerQuantizer(recipe.config, awq_options(recipe, device),
+                                 GPTQLayerQuantizer(recipe) if recipe.awq_rounding == "gptq" else None)
     return RTNLayerQuantizer(recipe.config, recipe.mse)
 
 

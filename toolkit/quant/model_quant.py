@@ -80,6 +80,9 @@ class QuantRecipe:
     # forward per block) or "quantized" (block i after scaling, clipping and rounding, as GPTQ does: a second
     # forward). Same quality on SmolLM2 (KL 0.123 vs 0.124), float 1.4x faster
     awq_next_inputs: str = "float"
+    # how AWQ rounds the scaled, clipped weights: "rtn" (the paper's round-to-nearest) or "gptq" (GPTQ's error
+    # feedback under the scaled inputs' Hessian, with the GPTQ knobs above: damp_percent, act_order, ...)
+    awq_rounding: str = "rtn"
     # calibration data for data-aware methods: windows from the calibration split of `dataset`
     dataset: str = "pydoc"
     n_samples: int = 128
@@ -94,6 +97,8 @@ class QuantRecipe:
                              f"got {self.calib_dtype!r}")
         if self.awq_next_inputs not in ("quantized", "float"):
             raise ValueError(f"QuantRecipe.awq_next_inputs must be quantized or float; got {self.awq_next_inputs!r}")
+        if self.awq_rounding not in ("rtn", "gptq"):
+            raise ValueError(f"QuantRecipe.awq_rounding must be rtn or gptq; got {self.awq_rounding!r}")
         if self.calib_batch < 0:
             raise ValueError(f"QuantRecipe.calib_batch must be >= 0 (0 = all samples in one forward); "
                              f"got {self.calib_batch}")
