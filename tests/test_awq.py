@@ -35,13 +35,18 @@ def _rel_output_error(x, w, wq):
     return float((x @ wq.t() - ref).pow(2).mean() / ref.pow(2).mean())
 
 
-def test_awq_scales_beat_rtn_on_outlier_channels():
-    g = torch.Generator().manual_seed(1)
+def _searched_linear(seed: int, x: torch.Tensor):
+    """(w, a bias-free 128 -> 96 Linear holding w, AWQ's (s, alpha, loss) for it on inputs x)."""
+    g = torch.Generator().manual_seed(seed)
     w = torch.randn(96, 128, generator=g) * 0.05
-    x = _outlier_inputs()
     lin = nn.Linear(128, 96, bias=False)
     lin.weight.data.copy_(w)
-    s, alpha, _ = search_scales(x, [lin], CONFIG, AWQOptions())
+    return w, lin, search_scales(x, [lin], CONFIG, AWQOptions())
+
+
+def test_awq_scales_beat_rtn_on_outlier_channels():
+    x = _outlier_inputs()
+    w, lin, (s, alpha, _) = _searched_linear(1, x)
     awq = fake_quantize(w * s, CONFIG) / s
     rtn_err = _rel_output_error(x, w, fake_quantize(w, CONFIG))
     awq_err = _rel_output_error(x, w, awq)
@@ -345,12 +350,8 @@ def test_awq_gptq_rounding_solves_under_the_scaled_inputs_hessian():
     from toolkit.quant.calibrate import GPTQLayerQuantizer
     from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
 
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(96, 128, generator=g) * 0.05
     x = _correlated_outlier_inputs()
-    lin = nn.Linear(128, 96, bias=False)
-    lin.weight.data.copy_(w)
-    s, _, _ = search_scales(x, [lin], CONFIG, AWQOptions())
+    _, lin, (s, _, _) = _searched_linear(4, x)
     lin.weight.data.mul_(s)  # the fold: the Linear's columns times s, its input divided by s
     recipe = QuantRecipe(method="awq", bits=4, group_size=32, symmetric=False, awq_rounding="gptq")
     quantizer = AWQLayerQuantizer(CONFIG, AWQOptions(), GPTQLayerQuantizer(recipe))
