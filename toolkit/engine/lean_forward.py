@@ -322,13 +322,18 @@ def _fuse_int4n8(modules) -> Int4N8Pack | None:
                     modules)
 
 
-def _fuse_int8(modules) -> Int8Pack | None:
-    """An Int8Pack of int8 QuantLinear layers on specquant's int8 GEMM with one input width, or None."""
+def on_int8_gemm(module) -> bool:
+    """Whether `module` is an int8 per-channel QuantLinear on specquant's int8 GEMM (what Int8Pack and the native
+    decoder's int8 products take)."""
     from toolkit.quant.qlinear import QuantLinear
 
+    return type(module) is QuantLinear and module.kernel == "int8pack" and module.int8_native
+
+
+def _fuse_int8(modules) -> Int8Pack | None:
+    """An Int8Pack of int8 QuantLinear layers on specquant's int8 GEMM with one input width, or None."""
     first = modules[0]
-    if not all(type(m) is QuantLinear and m.kernel == "int8pack" and m.int8_native
-               and m.in_features == first.in_features and m.kernel_max_rows == first.kernel_max_rows
+    if not all(on_int8_gemm(m) and m.in_features == first.in_features and m.kernel_max_rows == first.kernel_max_rows
                and m.weight_int8.device.type == "cpu" for m in modules):
         return None
     return _checked(Int8Pack(torch.cat([m.weight_int8 for m in modules]).contiguous(),
@@ -401,10 +406,15 @@ def _pack(module, name: str, *layers) -> FusedPack | Int4Pack | Int4N8Pack | Int
     return pack
 
 
-def _unfused_in_bf16(pack, rows: int) -> bool:
-    """In a bf16 prompt pass: fp16 packs give way to their layers' bf16 products, int4 packs from
-    BF16_DEQUANT_MIN_ROWS rows (their layers' bf16 dequantize path); int8 packs keep their exact kernel."""
-    return type(pack) is FusedPack or (type(pack) is not Int8Pack and rows >= BF16_DEQUANT_MIN_ROWS)
+def _pack_for(pack, rows: int, bf16: bool):
+    """The fused pack a product of `rows` rows runs on, or None (the layers run themselves): a pack serves fewer
+    rows than its `max_rows`. In a bf16 prompt pass fp16 packs give way to their layers' bf16 products, int4 packs
+    from BF16_DEQUANT_MIN_ROWS rows (their layers' bf16 dequantize path); int8 packs keep their exact kernel."""
+    if pack is None or rows >= pack.max_rows:
+        return None
+    if bf16 and (type(pack) is FusedPack or (type(pack) is not Int8Pack and rows >= BF16_DEQUANT_MIN_ROWS)):
+        return None
+    return pack
 
 
 class _LayerPlan(NamedTuple):
@@ -533,9 +543,7 @@ class LeanForward:
             attn = plan.attn
             x = _norm(plan.input_norm, hidden)  # the norm's own arithmetic, without a module call
             shape = (batch, length, -1, attn.head_dim)
-            qkv = plan.qkv if plan.qkv is not None and rows < plan.qkv.max_rows else None
-            if bf16 and _unfused_in_bf16(qkv, rows):  # the layers' own bf16 products
-                qkv = None
+            qkv = _pack_for(plan.qkv, rows, bf16)
             if qkv is not None:  # q and k sit side by side in the fused output: rotate them in one pass
                 out = qkv.run(x)
                 heads = qkv.sizes[0] // attn.head_dim
@@ -556,9 +564,7 @@ class LeanForward:
                 out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **passed)
             hidden = hidden + _linear(plan.o, out.reshape(batch, length, -1).contiguous(), rows)
             x = _norm(plan.post_norm, hidden)
-            gate_up = plan.gate_up if plan.gate_up is not None and rows < plan.gate_up.max_rows else None
-            if bf16 and _unfused_in_bf16(gate_up, rows):
-                gate_up = None
+            gate_up = _pack_for(plan.gate_up, rows, bf16)
             if gate_up is not None:
                 gate, up = gate_up(x)
             else:

@@ -203,11 +203,9 @@ def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None
 
 def _int8_single(layer) -> tuple | None:
     """(weight, scale, bias) of an int8 QuantLinear on specquant's int8 GEMM, else None."""
-    from toolkit.quant.qlinear import QuantLinear
+    from toolkit.engine.lean_forward import on_int8_gemm
 
-    if type(layer) is not QuantLinear or layer.kernel != "int8pack" or not layer.int8_native:
-        return None
-    return layer.weight_int8, layer.scale, layer.bias
+    return (layer.weight_int8, layer.scale, layer.bias) if on_int8_gemm(layer) else None
 
 
 def _int8_products(plan, keep: list) -> tuple[_Q4, ...] | None:

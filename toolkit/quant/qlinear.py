@@ -304,9 +304,8 @@ class QuantLinear(torch.nn.Module):
                                     int8_dynamic.outlier_channels(self.in_features))
             y = None if y is None else y.to(x.dtype)  # None: x holds inf/nan, left to the exact path
         if y is None:
-            compute = x.dtype if _native_matmul(x.dtype, x.device) else torch.float32
-            if bf16:
-                compute = torch.bfloat16
+            compute = (torch.bfloat16 if bf16 else x.dtype if _native_matmul(x.dtype, x.device)
+                       else torch.float32)
             x2 = x.reshape(rows, self.in_features).to(compute)
             fresh = x2.requires_grad and torch.is_grad_enabled()  # autograd would keep the scratch buffer
             y = torch.cat([F.linear(x2, self._weight_block(n0, n1, compute, fresh))
@@ -370,11 +369,8 @@ class QuantLinear(torch.nn.Module):
         elif self.kernel == "int4n8":
             # one C pass (the kernel is built wherever a layer runs int4n8), into bf16 directly when asked for it
             b0, b1 = n0 // int4_native.BLOCK_N, n1 // int4_native.BLOCK_N
-            bf16 = dtype == torch.bfloat16
-            out = buf.view(torch.bfloat16)[:n * k].view(n, k) if bf16 else buf.view(n, k)
+            out = buf.view(torch.bfloat16)[:n * k].view(n, k) if dtype == torch.bfloat16 else buf.view(n, k)
             w = int4_native.dequantize(self.weight_int4n8, self.scale, self.zero, self.group_size, b0, b1, out)
-            if bf16:
-                return w
         elif self.kernel == "int4pack":  # built as W.T [in, n] so the packed layout is read in order
             kp = self.kernel_in  # in, or in padded to a whole last group
             wt = buf.view(kp, n)
