@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from toolkit.engine.precision import cpu_flags
 from toolkit.quant import int4_native, int8_native, qlinear
 from toolkit.quant.primitives import QuantConfig, choose_qparams, quantize
 from toolkit.quant.qlinear import KERNEL_MAX_ROWS, QuantLinear
@@ -182,7 +183,7 @@ needs_int8_kernel = pytest.mark.skipif(not int8_native.available(),
 
 
 @needs_int8_kernel
-@pytest.mark.parametrize("n,k", [(1, 8), (6, 16), (64, 128), (1536, 576), (577, 1536)])
+@pytest.mark.parametrize("n,k", [(16, 1), (16, 8), (48, 5), (64, 128), (80, 96), (1536, 576), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_products_equal_the_float64_product_and_rows_are_independent(n, k, bias):
     g = torch.Generator().manual_seed(n + k)
@@ -191,10 +192,50 @@ def test_int8_products_equal_the_float64_product_and_rows_are_independent(n, k, 
     b = torch.randn(n, generator=g) if bias else None
     wf = w.double() * s.double()[:, None]
     x = torch.randn(17, k, generator=g)
-    alone = torch.cat([int8_native.linear(x[i:i + 1], w, s, b) for i in range(17)])
+    packed = int8_native.pack(w)
+    alone = torch.cat([int8_native.linear(x[i:i + 1], packed, s, b) for i in range(17)])
     assert rel_err(alone, x.double() @ wf.T + (b.double() if bias else 0)) < TOL
-    for rows in (2, 3, 4, 9, 17):
-        assert torch.equal(int8_native.linear(x[:rows], w, s, b), alone[:rows]), rows
+    for rows in (2, 3, 4, 5, 6, 7, 9, 13, 17):  # 6 rows a pass on AVX512, then a shorter pass of the rest
+        assert torch.equal(int8_native.linear(x[:rows], packed, s, b), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("n,k", [(16, 3), (64, 576), (80, 96), (208, 40)])
+def test_the_int8_pack_is_the_h16_order_and_round_trips(n, k):
+    """Element (k, b, j) of tile t is W[16(4t+b)+j, k] (the last tile holding fewer blocks); `rows` gives any whole
+    tiles back."""
+    w = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(n)).to(torch.int8)
+    packed = int8_native.pack(w)
+    assert packed.dtype == torch.int8 and packed.numel() == n * k
+    for t in range(-(-n // 64)):
+        nt = min(4, (n - 64 * t) // 16)
+        tile = packed[64 * t * k:(64 * t + 16 * nt) * k].view(k, nt, 16)
+        for b in range(nt):
+            assert torch.equal(tile[:, b, :], w[64 * t + 16 * b:64 * t + 16 * (b + 1)].T)
+    assert torch.equal(int8_native.rows(packed, n, k), w)
+    for n0 in range(0, n, 64):
+        assert torch.equal(int8_native.rows(packed, n, k, n0, min(n0 + 64, n)), w[n0:n0 + 64])
+    with pytest.raises(ValueError, match="whole tiles"):
+        int8_native.rows(packed, n, k, 16, n)
+    with pytest.raises(ValueError, match="N % 16"):
+        int8_native.pack(w[:-1])
+
+
+@needs_int8_kernel
+def test_avx2_and_avx512_builds_of_the_int8_gemm_agree_bit_for_bit():
+    """The AVX2 build (one row a pass, 8-wide registers) sums each output in the same order as the AVX512 build (six
+    rows a pass), so a checkpoint gives the same products on either CPU."""
+    if "avx512f" not in cpu_flags():
+        pytest.skip("this CPU has no AVX512F: only the AVX2 build runs here")
+    avx2 = int8_native.load(tuple(int8_native.FLAGS) + ("-mno-avx512f",))
+    assert avx2 is not None
+    g = torch.Generator().manual_seed(1)
+    n, k = 208, 96
+    w = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+    s, b, x = torch.rand(n, generator=g) + 0.01, torch.randn(n, generator=g), torch.randn(9, k, generator=g)
+    packed = int8_native.pack(w)
+    y = torch.empty(9, n)
+    assert avx2.sq_int8_linear(x.data_ptr(), 9, k, packed.data_ptr(), s.data_ptr(), b.data_ptr(), n, y.data_ptr()) == 0
+    assert torch.equal(y, int8_native.linear(x, packed, s, b))
 
 
 @needs_int8_kernel
@@ -206,7 +247,10 @@ def test_quantlinear_int8_layers_run_the_native_gemm_exactly_up_to_the_int8_pref
     qw = QuantizedWeight(quantize(w, scale, zero, config), scale, zero, config, torch.randn(64) * 0.1)
     m = QuantLinear.from_quantized(qw)
     assert m.kernel == "int8pack" and m.int8_native and "specquant int8 GEMM" in repr(m)
-    assert not hasattr(m, "scale_bf16")  # torch's kernel's bf16 scales are not kept
+    # one copy of the codes (the kernel's h16 order) and no bf16 scales for torch's kernel
+    assert not hasattr(m, "scale_bf16") and not hasattr(m, "weight_int8")
+    assert torch.equal(m.int8_rows(), (qw.codes.to(torch.int16) - 128).to(torch.int8))
+    assert m.nbytes == 64 * 128 + 2 * 64 * 4  # codes, fp32 scales and bias
     ref_w = qw.dequantize(torch.float64)
     for rows in (1, 5, 33, m.kernel_max_rows - 1):
         x = torch.randn(rows, 128)
@@ -220,6 +264,18 @@ def test_with_native_kernels_off_int8_layers_run_torchs_kernel(monkeypatch):
     scale, zero = choose_qparams(w, config)
     m = QuantLinear.from_quantized(QuantizedWeight(quantize(w, scale, zero, config), scale, zero, config))
     assert m.kernel == "int8pack" and not m.int8_native and m.scale_bf16.dtype == torch.bfloat16
+
+
+@needs_int8_kernel
+def test_int8_layers_whose_outputs_the_int8_gemm_cannot_tile_run_torchs_kernel():
+    w = torch.randn(72, 128) * 0.05  # 72 outputs: not whole blocks of 16
+    config = QuantConfig(bits=8, group_size=-1, symmetric=True)
+    scale, zero = choose_qparams(w, config)
+    qw = QuantizedWeight(quantize(w, scale, zero, config), scale, zero, config)
+    m = QuantLinear.from_quantized(qw)
+    assert m.kernel == "int8pack" and not m.int8_native and m.weight_int8.shape == (72, 128)
+    x = torch.randn(3, 128)
+    assert rel_err(m(x), x.double() @ qw.dequantize(torch.float64).T) < 1e-2  # bf16 activations
 
 
 def test_the_engine_setting_picks_the_kernels(monkeypatch):

@@ -249,7 +249,7 @@ def test_int8_dynamic_is_exact_on_representable_rows():
     codes[torch.arange(rows), torch.randint(0, 256, (rows,))] = 63
     a = torch.rand(rows, 1) * 10 + 0.01
     x = codes.float() * (a / 63)
-    assert rel_err(int8_dynamic.linear(x, m.weight_int8, m.scale, torch.zeros(96, dtype=torch.int32), 0),
+    assert rel_err(int8_dynamic.linear(x, m.int8_rows(), m.scale, torch.zeros(96, dtype=torch.int32), 0),
                    F.linear(x, qw.dequantize(torch.float32))) < FP32_TOL
     n_out = int8_dynamic.outlier_channels(256)
     assert n_out == 8
@@ -270,7 +270,7 @@ def test_int8_dynamic_error_on_outliers_is_bounded():
     ref = reference(qw, x)
     y = m(x)
     assert norm_err(y, ref) < DYNAMIC_NORM_TOL and rel_err(y, ref) < DYNAMIC_TOL
-    plain = int8_dynamic.linear(x, m.weight_int8, m.scale, torch.zeros(128, dtype=torch.int32), 0)
+    plain = int8_dynamic.linear(x, m.int8_rows(), m.scale, torch.zeros(128, dtype=torch.int32), 0)
     assert norm_err(plain - qw.bias, ref) > 3 * norm_err(y, ref)
 
 

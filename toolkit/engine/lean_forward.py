@@ -273,9 +273,9 @@ class Int4N8Pack(NamedTuple):
 
 class Int8Pack(NamedTuple):
     """Several int8 per-channel QuantLinear layers on specquant's int8 GEMM (`toolkit.quant.int8_native`) stacked along
-    the output dim: per-channel weights and scales stack row by row. Runs as each layer's kernel path does (fp32
-    activations, bias in the kernel); like the int4 packs it is a copy (1 byte per weight of q,k,v and gate,up), and
-    a decode step reads only it."""
+    the output dim: per-channel codes and scales stack row by row, the codes packed again in the kernel's h16 order.
+    Runs as each layer's kernel path does (fp32 activations, bias in the kernel); like the int4 packs it is a copy
+    (1 byte per weight of q,k,v and gate,up), and a decode step reads only it."""
     weight: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
@@ -332,11 +332,13 @@ def on_int8_gemm(module) -> bool:
 
 def _fuse_int8(modules) -> Int8Pack | None:
     """An Int8Pack of int8 QuantLinear layers on specquant's int8 GEMM with one input width, or None."""
+    from toolkit.quant import int8_native
+
     first = modules[0]
     if not all(on_int8_gemm(m) and m.in_features == first.in_features and m.kernel_max_rows == first.kernel_max_rows
-               and m.weight_int8.device.type == "cpu" for m in modules):
+               and m.weight_int8_h16.device.type == "cpu" for m in modules):
         return None
-    return _checked(Int8Pack(torch.cat([m.weight_int8 for m in modules]).contiguous(),
+    return _checked(Int8Pack(int8_native.pack(torch.cat([m.int8_rows() for m in modules])),
                              torch.cat([m.scale for m in modules]).contiguous(), _stacked_bias(modules),
                              tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules)), modules)
 

@@ -65,8 +65,8 @@ N8, W4A8, H16, I8 = 0, 1, 2, 3  # a product's kind (`_Q4.kind`), as decoder_laye
 class _Q4(ctypes.Structure):
     """One product: an int4 n8 pack (`toolkit.quant.int4_native`, kind N8), a v16 pack (`toolkit.quant.vnni`, int8
     activations, kind W4A8), an fp16 h16 pack in `codes` (`toolkit.quant.half_native`, kind H16; no scale, zero or
-    group) or int8 per-channel weights in `codes` with fp32 scales (`toolkit.quant.int8_native`, kind I8; no zero
-    or group); its fp32 bias or NULL, out, in and group."""
+    group) or int8 per-channel codes in the h16 order in `codes` with fp32 scales (`toolkit.quant.int8_native`, kind
+    I8; no zero or group); its fp32 bias or NULL, out, in and group."""
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64),
                 ("kind", ctypes.c_int64)]
@@ -202,10 +202,10 @@ def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None
 
 
 def _int8_single(layer) -> tuple | None:
-    """(weight, scale, bias) of an int8 QuantLinear on specquant's int8 GEMM, else None."""
+    """(packed codes, scale, bias) of an int8 QuantLinear on specquant's int8 GEMM, else None."""
     from toolkit.engine.lean_forward import on_int8_gemm
 
-    return (layer.weight_int8, layer.scale, layer.bias) if on_int8_gemm(layer) else None
+    return (layer.weight_int8_h16, layer.scale, layer.bias) if on_int8_gemm(layer) else None
 
 
 def _int8_products(plan, keep: list) -> tuple[_Q4, ...] | None:
@@ -220,8 +220,8 @@ def _int8_products(plan, keep: list) -> tuple[_Q4, ...] | None:
     for weight, scale, bias in ((qkv.weight, qkv.scale, qkv.bias), o, (gate_up.weight, gate_up.scale, gate_up.bias),
                                 down):
         keep += [t for t in (weight, scale, bias) if t is not None]
-        products.append(_Q4(weight.data_ptr(), scale.data_ptr(), None, _ptr(bias), weight.shape[0], weight.shape[1],
-                            0, I8))
+        n = scale.numel()  # the codes are a flat h16 pack of [n, k]
+        products.append(_Q4(weight.data_ptr(), scale.data_ptr(), None, _ptr(bias), n, weight.numel() // n, 0, I8))
     return tuple(products)
 
 

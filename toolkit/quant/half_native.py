@@ -69,18 +69,40 @@ def supports(n: int, k: int) -> bool:
     return n % BLOCK_N == 0 and k > 0
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The h16 pack (see the module docstring) of an [N, K] weight, as fp16 (its values rounded to fp16 if wider)."""
+def tile(weight: torch.Tensor) -> torch.Tensor:
+    """An [N, K] tensor of any dtype in the h16 order (the module docstring), flat: what `pack` stores for fp16
+    weights and the int8 GEMM (`toolkit.quant.int8_native`) for int8 codes."""
     n, k = weight.shape
     if not supports(n, k):
         raise ValueError(f"the h16 layout needs N % {BLOCK_N} == 0, got a {n}x{k} weight")
-    w = weight.detach().to(torch.float16)
-    tiles = []
-    for start in range(0, n, BLOCK_N * TILE):
-        block = w[start:start + BLOCK_N * TILE]
-        nt = block.shape[0] // BLOCK_N
-        tiles.append(block.reshape(nt, BLOCK_N, k).permute(2, 0, 1).reshape(-1))
-    return torch.cat(tiles).contiguous()
+    w, step = weight.detach(), BLOCK_N * TILE
+    full = n // step * step
+    parts = [w[:full].reshape(n // step, step, k).transpose(1, 2).reshape(-1)]  # whole tiles: [K, 4, 16] each
+    if full < n:  # the last tile, nt < 4 blocks
+        parts.append(w[full:].reshape(-1, BLOCK_N, k).permute(2, 0, 1).reshape(-1))
+    return torch.cat(parts).contiguous()
+
+
+def untile(packed: torch.Tensor, n: int, k: int, n0: int = 0, n1: int | None = None) -> torch.Tensor:
+    """Rows n0:n1 of the [N, K] tensor whose h16 order `packed` holds, as a fresh [n1 - n0, K] tensor. n0 must
+    start a tile (a multiple of 64) and n1 end one (a multiple of 64, or N)."""
+    n1 = n if n1 is None else n1
+    step = BLOCK_N * TILE
+    if packed.numel() != n * k or n0 % step or not (n1 % step == 0 or n1 == n) or not 0 <= n0 <= n1 <= n:
+        raise ValueError(f"rows {n0}:{n1} of a {n}x{k} h16 pack of {packed.numel()} elements: bounds must be whole "
+                         f"tiles of {step} rows")
+    full = min(n1, n // step * step)
+    parts = []
+    if n0 < full:
+        parts.append(packed[n0 * k:full * k].view((full - n0) // step, k, step).transpose(1, 2).reshape(-1, k))
+    if full < n1:
+        parts.append(packed[full * k:n1 * k].view(k, (n1 - full) // BLOCK_N, BLOCK_N).permute(1, 2, 0).reshape(-1, k))
+    return torch.cat(parts) if parts else packed.new_empty(0, k)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The h16 pack (see the module docstring) of an [N, K] weight, as fp16 (its values rounded to fp16 if wider)."""
+    return tile(weight.to(torch.float16))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

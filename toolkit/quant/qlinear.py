@@ -5,9 +5,10 @@ Built from a `QuantizedWeight` (codes + scale + integer zero point, GPTQ convent
 zero points, and the bias, all as buffers. Which path a layer runs is recorded in ``self.kernel``:
 
 * ``"int8pack"`` -- bits=8, symmetric, one group per output channel (``group_size=-1``), ``in_features % 16 == 0``,
-  CPU: int8 codes ``q - 128`` [out, in] for specquant's int8 GEMM (`toolkit.quant.int8_native`, fp32, where it
-  builds; ``int8_native`` is then True) or ``aten._weight_int8pack_mm`` (per-channel symmetric, so a grouped or
-  asymmetric 8-bit weight cannot use it and takes ``"dequant"``).
+  CPU: int8 codes ``q - 128`` for specquant's int8 GEMM (`toolkit.quant.int8_native`, fp32, where it builds and
+  ``out_features % 16 == 0``; ``int8_native`` is then True and the codes are held in its h16 order,
+  ``weight_int8_h16``) or for ``aten._weight_int8pack_mm`` ([out, in], ``weight_int8``; per-channel symmetric, so a
+  grouped or asymmetric 8-bit weight cannot use it and takes ``"dequant"``). `int8_rows` gives [out, in] either way.
 * ``"int4n8"`` -- bits=4, ``g_idx`` None or trivial, CPU, ``out_features % 8 == 0``, even ``in_features`` and group
   size (a short last group is fine), and specquant's own AVX2 int4 GEMM built here (`toolkit.quant.int4_native`;
   ``QuantLinear.native_kernels``, ``engine.lowbit_kernel``): its "n8" layout (codes in blocks of 8 output channels, fp32
@@ -107,7 +108,7 @@ from toolkit.quant.kernels import (
     INT8_BF16_K_MULTIPLE,
     int4_zeros_from_zero_point,
 )
-from toolkit.quant import int4_native, int8_dynamic, int8_native
+from toolkit.quant import half_native, int4_native, int8_dynamic, int8_native
 from toolkit.quant.primitives import pack_int4_rows
 from toolkit.quant.quantized_weight import QuantizedWeight
 
@@ -225,13 +226,14 @@ class QuantLinear(torch.nn.Module):
             self.bias = qw.bias.detach().to(device=device, dtype=torch.float32).clone()
 
         if kernel == "int8pack":
-            w8 = (codes.to(torch.int16) - 128).to(torch.int8).contiguous().clone()  # fresh: 64-byte aligned
-            self.register_buffer("weight_int8", w8)
+            w8 = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
             s = scale.reshape(out_f)
-            self.int8_native = cls.native_kernels and in_f % int8_native.K_MULTIPLE == 0 and int8_native.available()
+            self.int8_native = cls.native_kernels and int8_native.supports(out_f, in_f) and int8_native.available()
             if self.int8_native:  # up to where the int8 x int8 prefill path takes over (INT8_NATIVE_MAX_ROWS)
                 self.kernel_max_rows = INT8_NATIVE_MAX_ROWS
+                self.register_buffer("weight_int8_h16", int8_native.pack(w8))  # the only copy of the codes
             else:
+                self.register_buffer("weight_int8", w8.clone())  # fresh: 64-byte aligned
                 self.register_buffer("scale_bf16", s.to(FAST_DTYPE).contiguous())  # torch's kernel's (bf16) scales
             self.register_buffer("scale", s.contiguous())  # exact, for the fp32 path and specquant's int8 GEMM
         elif kernel == "int4n8":
@@ -299,7 +301,7 @@ class QuantLinear(torch.nn.Module):
             if self._native:
                 return y.reshape(*x.shape[:-1], self.out_features)
         elif rows >= INT8_DYNAMIC_MIN_ROWS and self._runs_int8_dynamic(x):
-            y = int8_dynamic.linear(x.reshape(rows, self.in_features).float().contiguous(), self.weight_int8,
+            y = int8_dynamic.linear(x.reshape(rows, self.in_features).float().contiguous(), self.int8_rows(),
                                     self.scale, torch.zeros(self.out_features, dtype=torch.int32),
                                     int8_dynamic.outlier_channels(self.in_features))
             y = None if y is None else y.to(x.dtype)  # None: x holds inf/nan, left to the exact path
@@ -330,7 +332,7 @@ class QuantLinear(torch.nn.Module):
         if self._native:  # fp32 activations, the bias added in the kernel (forward adds none after)
             if self.kernel == "int4n8":
                 return int4_native.linear(x2, self.weight_int4n8, self.scale, self.zero, self.group_size, self.bias)
-            return int8_native.linear(x2, self.weight_int8, self.scale, self.bias)
+            return int8_native.linear(x2, self.weight_int8_h16, self.scale, self.bias)
         xb = x2.to(FAST_DTYPE)
         if not xb.is_contiguous():
             xb = xb.contiguous()
@@ -350,6 +352,9 @@ class QuantLinear(torch.nn.Module):
             step = max(int4_native.BLOCK_N, step // int4_native.BLOCK_N * int4_native.BLOCK_N)
         if self.kernel == "int4pack":
             step = max(_INT4PACK_BLOCK_N, step // _INT4PACK_BLOCK_N * _INT4PACK_BLOCK_N)
+        if self.int8_native:  # whole tiles of the h16 order (`int8_rows`)
+            tile = int8_native.N_MULTIPLE * half_native.TILE
+            step = max(tile, step // tile * tile)
         bounds = list(range(0, n, step)) + [n]
         if self.kernel == "int4pack" and len(bounds) > 2 and bounds[-1] - bounds[-2] < _INT4PACK_BLOCK_N:
             del bounds[-2]  # the packed tail (< 32 rows) is decoded with the block before it
@@ -365,7 +370,7 @@ class QuantLinear(torch.nn.Module):
         size = n * self.kernel_in  # n * k, or more for int4pack with a ragged last group (decoded padded)
         buf = (torch.empty(size, device=self.scale.device) if fresh else _scratch(size, self.scale.device))
         if self.kernel == "int8pack":
-            w = torch.mul(self.weight_int8[n0:n1], self.scale[n0:n1, None], out=buf.view(n, k))
+            w = torch.mul(self.int8_rows(n0, n1), self.scale[n0:n1, None], out=buf.view(n, k))
         elif self.kernel == "int4n8":
             # one C pass (the kernel is built wherever a layer runs int4n8), into bf16 directly when asked for it
             b0, b1 = n0 // int4_native.BLOCK_N, n1 // int4_native.BLOCK_N
@@ -389,6 +394,15 @@ class QuantLinear(torch.nn.Module):
             else:
                 w.view(n, k // gs, gs).sub_(self.zero[n0:n1].float()[:, :, None]).mul_(self.scale[n0:n1, :, None])
         return w if dtype == torch.float32 else w.to(dtype)
+
+    def int8_rows(self, n0: int = 0, n1: int | None = None) -> torch.Tensor:
+        """An int8pack layer's codes ``q - 128`` of output channels n0:n1 as int8 [n1 - n0, in]: a view where torch's
+        kernel runs ([out, in] held), a fresh copy on specquant's int8 GEMM (the h16 order held; n0 and n1 on its
+        64-row tiles, n1 may be out_features)."""
+        n1 = self.out_features if n1 is None else n1
+        if self.int8_native:
+            return int8_native.rows(self.weight_int8_h16, self.out_features, self.in_features, n0, n1)
+        return self.weight_int8[n0:n1]
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float weight [out, in] the codes stand for, ``(q - zero) * scale`` in fp32, in a fresh tensor (for
@@ -558,7 +572,7 @@ def _bench(n: int = 1536, k: int = 576, rows=(1, 4, 8, 16, 32, 48, 64, 128, 256,
                     lambda: F.linear(x.to(torch.bfloat16), layer._weight_block(0, n, torch.bfloat16)).float()))
             if layer.kernel == "int8pack" and int8_dynamic.available():
                 table.setdefault("int8 x int8 (7-bit act, 16 outl.)", []).append(timed(
-                    lambda: int8_dynamic.linear(x, layer.weight_int8, layer.scale, z, int8_dynamic.outlier_channels(k))))
+                    lambda: int8_dynamic.linear(x, layer.int8_rows(), layer.scale, z, int8_dynamic.outlier_channels(k))))
             if bits == 8:
                 table.setdefault("fp32 F.linear, float weight", []).append(timed(lambda: F.linear(x, w)))
     print(f"{n}x{k} layer, {torch.get_num_threads()} threads, best of {reps}, microseconds")

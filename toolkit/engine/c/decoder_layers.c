@@ -41,7 +41,7 @@ typedef struct {
     int64_t n, k, g;
     /* 0: an n8 pack, fp32 activations (int4_gemm.c); 1: a v16 pack, int8 activations (vnni_gemm.c);
      * 2: an h16 pack of fp16 weights in `codes` (half_gemm.c; scale, zero and g unused), fp32 activations;
-     * 3: int8 per-channel weights [n, k] in `codes` and fp32 scales [n] (int8_gemm.c; zero and g unused) */
+     * 3: int8 per-channel codes in the h16 order in `codes` and fp32 scales [n] (int8_gemm.c; zero and g unused) */
     int64_t kind;
 } sq_q4;
 

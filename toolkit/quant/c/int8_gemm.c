@@ -1,72 +1,104 @@
 /* y[M,N] = x[M,K] @ (w * scale[:, None]).T (+ bias) for a symmetric per-channel int8 weight, fp32 activations and
- * accumulation (AVX2 + FMA).
+ * accumulation (AVX512F, or AVX2 + FMA).
  *
- * Layout: torch's own for `_weight_int8pack_mm`, so QuantLinear's int8 layers need no second copy:
- *   w  int8 [N, K] row-major (codes q - 128 of GPTQ's unsigned convention), scale float [N]
+ * Layout: the h16 order of toolkit/quant/half_native.py with int8 codes instead of fp16 (packed by int8_native.pack):
+ * output channels in blocks of 16, blocks in tiles of 4 (the last tile may hold fewer, nt), each tile stored in the
+ * order the kernel reads it:
+ *   w  int8, tile t at element t*4*16*K, ordered [K, nt, 16]: element (k, b, j) = W[16(4t+b)+j, k]
+ *   scale float [N], bias float [N] or NULL
+ * so one 16-byte load is 16 output channels of one input column: the activation is broadcast, the codes widen to
+ * fp32 once per column and serve every row of the pass, and no horizontal sum is needed (the layout of [N, K] rows
+ * spent two widenings and a share of a horizontal sum per 8 products, and ran at half the speed).
  *
- * Tiles of 4 output channels x up to 2 rows: each (row, channel) accumulates 8 lanes along k in k order, then one
- * horizontal sum in a fixed order, times the channel's scale. Every row is computed by the same operations in the same
- * order whatever M or the tiling, so a row's result does not depend on the rows beside it.
+ * Each output is sum_k (code * x) in k order by explicit FMAs, then times the channel's scale, then plus its bias
+ * (separate roundings; -ffp-contract=off). Every row is computed by the same operations in the same order whatever
+ * M, the tiling or the instruction set (AVX512 and AVX2 builds agree bit for bit), so a row's result does not
+ * depend on the rows beside it: what speculative verification needs from a target.
  *
- * Constraints (returned as nonzero): K % 8 == 0. Without AVX2 the function returns 2.
+ * Constraints (returned as nonzero): N % 16 == 0. Without AVX2 the function returns 2.
  */
 #include <stdint.h>
-#ifdef __AVX2__
+#if defined(__AVX2__)
 #include <immintrin.h>
 
 #define I8_INLINE static inline __attribute__((always_inline))
 
-I8_INLINE float i8_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* channels n0 .. n0+NC-1 x R rows starting at x */
+#if defined(__AVX512F__)
+/* tile t: its NB blocks of 16 outputs x R rows; constant loop bounds after inlining */
 I8_INLINE void i8_tile(const float *x, int64_t K, const int8_t *w, const float *scale, const float *bias, float *y,
-                 int64_t N, int64_t n0, const int NC, const int R) {
-    __m256 acc[4][4];  /* [rows][channels], R <= 4 */
+                       int64_t N, int64_t t, const int NB, const int R) {
+    const int8_t *wt = w + t * 4 * 16 * K;
+    const int64_t c0 = 4 * t * 16;
+    __m512 acc[6][4];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv[4];
-        for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * K + k);
-        for (int c = 0; c < NC; c++) {
-            __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + (n0 + c) * K + k))));
-            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(wv, xv[r], acc[r][c]);
+        for (int j = 0; j < NB; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const int8_t *wk = wt + k * NB * 16;
+        __m512 xb[6]; /* each row's activation broadcast once per column, reused over the NB blocks */
+        for (int r = 0; r < R; r++) xb[r] = _mm512_set1_ps(x[r * K + k]);
+        for (int j = 0; j < NB; j++) {
+            const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wk + j * 16))));
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(wv, xb[r], acc[r][j]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < NC; c++)
-            y[r * N + n0 + c] = i8_hsum(acc[r][c]) * scale[n0 + c] + (bias ? bias[n0 + c] : 0.f);
+    for (int j = 0; j < NB; j++) {
+        const __m512 s = _mm512_loadu_ps(scale + c0 + j * 16);
+        const __m512 b = bias ? _mm512_loadu_ps(bias + c0 + j * 16) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++)
+            _mm512_storeu_ps(y + r * N + c0 + j * 16, _mm512_add_ps(_mm512_mul_ps(acc[r][j], s), b));
+    }
 }
-
-/* 4-row tiles (16 accumulators, 4 rows of x, one weight vector) where AVX512's 32 vector registers hold them; the
- * weights' widening is then shared by 4 rows instead of 2. Each row's operations are the same either way. */
-#ifdef __AVX512F__
-#define I8_WIDE_ROWS 1
+#define I8_MAX_ROWS 6 /* 6 rows x 4 blocks = 24 accumulators of the 32 registers */
 #else
-#define I8_WIDE_ROWS 0
+/* AVX2: a block of 16 outputs is two registers, so a tile of 4 blocks takes 8 accumulators a row: one row a pass */
+I8_INLINE void i8_tile(const float *x, int64_t K, const int8_t *w, const float *scale, const float *bias, float *y,
+                       int64_t N, int64_t t, const int NB, const int R) {
+    const int8_t *wt = w + t * 4 * 16 * K;
+    const int64_t c0 = 4 * t * 16;
+    (void)R;
+    __m256 acc[8];
+    for (int j = 0; j < 2 * NB; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const int8_t *wk = wt + k * NB * 16;
+        const __m256 xb = _mm256_set1_ps(x[k]);
+        for (int j = 0; j < 2 * NB; j++) {
+            const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wk + j * 8))));
+            acc[j] = _mm256_fmadd_ps(wv, xb, acc[j]);
+        }
+    }
+    for (int j = 0; j < 2 * NB; j++) {
+        const __m256 s = _mm256_loadu_ps(scale + c0 + j * 8);
+        const __m256 b = bias ? _mm256_loadu_ps(bias + c0 + j * 8) : _mm256_setzero_ps();
+        _mm256_storeu_ps(y + c0 + j * 8, _mm256_add_ps(_mm256_mul_ps(acc[j], s), b));
+    }
+}
+#define I8_MAX_ROWS 1
 #endif
-#define I8_TILE(NC, R) i8_tile(x + m * K, K, w, scale, bias, y + m * N, N, n0, NC, R)
-#define I8_ROWS(NC)                                    \
-    do {                                            \
-        int64_t m = 0;                              \
-        if (I8_WIDE_ROWS)                              \
-            for (; m + 4 <= M; m += 4) I8_TILE(NC, 4); \
-        for (; m + 2 <= M; m += 2) I8_TILE(NC, 2);     \
-        for (; m < M; m++) I8_TILE(NC, 1);             \
+
+#define I8_TILE(NB, R) i8_tile(x + m * K, K, w, scale, bias, y + m * N, N, i, NB, R)
+/* up to I8_MAX_ROWS rows per pass over a tile (its codes widened once for all of them); fewer take a smaller pass */
+#define I8_ROWS(NB)                                                      \
+    do {                                                                 \
+        int64_t m = 0;                                                   \
+        for (; m + I8_MAX_ROWS <= M; m += I8_MAX_ROWS) I8_TILE(NB, I8_MAX_ROWS); \
+        switch (M - m) {                                                 \
+            case 5: I8_TILE(NB, 5); break;                               \
+            case 4: I8_TILE(NB, 4); break;                               \
+            case 3: I8_TILE(NB, 3); break;                               \
+            case 2: I8_TILE(NB, 2); break;                               \
+            case 1: I8_TILE(NB, 1); break;                               \
+            default: break;                                              \
+        }                                                                \
     } while (0)
 
 int sq_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *bias,
                    int64_t N, float *y) {
-    if (K % 8 || M < 0) return 1;
-    const int64_t ntile = (N + 3) / 4;
+    if (N % 16 || K <= 0 || M < 0) return 1;
+    const int64_t nblk = N / 16, ntile = (nblk + 3) / 4;
 #pragma omp parallel for schedule(static) if (ntile > 1 && M * N * K > 32768)
     for (int64_t i = 0; i < ntile; i++) {
-        const int64_t n0 = i * 4, nc = N - n0 < 4 ? N - n0 : 4;
-        switch (nc) {
+        const int64_t nb = nblk - 4 * i < 4 ? nblk - 4 * i : 4;
+        switch (nb) {
             case 4: I8_ROWS(4); break;
             case 3: I8_ROWS(3); break;
             case 2: I8_ROWS(2); break;
