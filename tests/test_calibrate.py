@@ -59,6 +59,21 @@ def test_calibration_batches_deterministic_shape_split(tiny_tokenizer):
         assert not _contains(evaluation, row)
 
 
+def test_calibration_mix_alternates_sources_each_drawn_as_alone(tiny_tokenizer):
+    """"pydoc+stdlib-code": window i from source i % 2, each source's windows those it gives calibrated alone, so
+    the first windows (AWQ's search samples) hold both kinds of text."""
+    mix = calibration_batches(tiny_tokenizer, "pydoc+stdlib-code", n_samples=5, seq_len=24, seed=3)
+    prose = calibration_batches(tiny_tokenizer, "pydoc", n_samples=3, seq_len=24, seed=3)
+    code = calibration_batches(tiny_tokenizer, "stdlib-code", n_samples=2, seq_len=24, seed=3)
+    assert mix.shape == (5, 24)
+    assert torch.equal(mix[0::2], prose) and torch.equal(mix[1::2], code)
+    assert torch.equal(calibration_batches(tiny_tokenizer, "pydoc+stdlib-code", n_samples=1, seq_len=24, seed=3),
+                       prose[:1])
+    for bad in ("pydoc+pydoc", "pydoc+", "+pydoc"):
+        with pytest.raises(ValueError, match="joined by"):
+            calibration_batches(tiny_tokenizer, bad, n_samples=2, seq_len=24)
+
+
 def test_calibration_batches_bos(tiny_tokenizer):
     bos = tiny_tokenizer.bos_token_id
     with_bos = calibration_batches(tiny_tokenizer, n_samples=3, seq_len=16, add_bos=True)

@@ -100,14 +100,27 @@ def calibration_batches(tokenizer, dataset="pydoc", n_samples: int = 128, seq_le
                         add_bos: bool | None = None) -> torch.LongTensor:
     """``[n_samples, seq_len]`` token windows from the calibration split of ``dataset``, deterministically.
 
-    ``dataset`` is a dataset name or path for `toolkit.data.load_text` (its ``"calibration"`` split), or
-    already-loaded texts (a ``datasets.Dataset`` with a ``text`` column, or a list of strings). The documents
-    are tokenized without special tokens and concatenated (separated by EOS when the tokenizer has one); window
-    starts are drawn with a ``torch.Generator`` seeded with ``seed``. With BOS (``add_bos=True``, or
-    ``add_bos=None`` and the tokenizer adds one by default) every window is ``[bos] + seq_len - 1 tokens``.
+    ``dataset`` is a dataset name or path for `toolkit.data.load_text` (its ``"calibration"`` split), several
+    joined by ``+`` (``"pydoc+austen"``: a mix, window i taken from source ``i % n`` so every prefix of the
+    windows, e.g. AWQ's search samples, holds each source about equally; each source's windows are drawn as if it
+    were calibrated alone), or already-loaded texts (a ``datasets.Dataset`` with a ``text`` column, or a list of
+    strings). The documents are tokenized without special tokens and concatenated (separated by EOS when the
+    tokenizer has one); window starts are drawn with a ``torch.Generator`` seeded with ``seed``. With BOS
+    (``add_bos=True``, or ``add_bos=None`` and the tokenizer adds one by default) every window is ``[bos] +
+    seq_len - 1 tokens``.
     """
     if n_samples < 1 or seq_len < 2:
         raise ValueError(f"need n_samples >= 1 and seq_len >= 2, got {n_samples}, {seq_len}")
+    if isinstance(dataset, str) and "+" in dataset:
+        names = [name.strip() for name in dataset.split("+")]
+        if any(not name for name in names) or len(set(names)) != len(names):
+            raise ValueError(f"a calibration mix names each dataset once, joined by '+' (e.g. pydoc+austen); got "
+                             f"{dataset!r}")
+        counts = [len(range(i, n_samples, len(names))) for i in range(len(names))]  # window i from source i % n
+        parts = [calibration_batches(tokenizer, name, count, seq_len, seed, add_bos) if count else None
+                 for name, count in zip(names, counts)]
+        order = [(i % len(names), i // len(names)) for i in range(n_samples)]
+        return torch.stack([parts[source][j] for source, j in order])
     if isinstance(dataset, (str, os.PathLike)):
         from toolkit.data import CALIBRATION, load_text
 
