@@ -19,8 +19,35 @@ pytestmark = pytest.mark.skipif(library() is None, reason="the native decoder is
                                                           "AVX2, or SPECQUANT_NO_KERNELS is set)")
 
 
+def _act_order(model, group: int):
+    """`model` with each int4 QuantLinear re-quantized as act-order GPTQ leaves it: its columns quantized in a
+    scattered order (one order per input width, as one Hessian gives q,k,v and gate,up one order), a g_idx saying
+    each channel's group; then the fused packs made again."""
+    from toolkit.engine.lean_forward import fuse_projections
+    from toolkit.quant.primitives import QuantConfig, choose_qparams, quantize
+    from toolkit.quant.qlinear import QuantLinear
+    from toolkit.quant.quantized_weight import QuantizedWeight
+
+    config, orders = QuantConfig(bits=4, group_size=group, symmetric=False), {}
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is QuantLinear:
+                w = child.dequantized_weight()
+                perm = orders.setdefault(w.shape[1], torch.randperm(w.shape[1],
+                                                                    generator=torch.Generator().manual_seed(w.shape[1])))
+                scale, zero = choose_qparams(w[:, perm], config)
+                position = torch.argsort(perm)
+                codes = quantize(w[:, perm], scale, zero, config)[:, position]
+                qw = QuantizedWeight(codes, scale, zero, config, child.bias, (position // group).to(torch.int32))
+                setattr(module, name, QuantLinear.from_quantized(qw))
+    for layer in model.model.layers:
+        layer.self_attn.specquant_qkv = layer.mlp.specquant_gate_up = None
+    fuse_projections(model)
+    return model
+
+
 @pytest.fixture(params=["llama-int4", "qwen2-int4", "llama-fp16", "qwen2-fp16", "wide-fp16", "wide-int4", "llama-int8",
-                        "wide-int8"])
+                        "wide-int8", "llama-int4ao", "wide-int4ao"])
 def native_model(request, tiny_llama_dir, tiny_qwen2, tiny_tokenizer):
     """int4: every decoder Linear an int4 QuantLinear on specquant's kernel (the int4 self-draft of an engine-prepared
     fp32 model: fp16 output head on fbgemm, whose products are row-independent too), under the lean forward. fp16: the
@@ -46,8 +73,12 @@ def native_model(request, tiny_llama_dir, tiny_qwen2, tiny_tokenizer):
         target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prepare_model(target, Precision(torch.float32, torch.float16), gemm="fbgemm")
     install(target)
-    if kind == "int4":
+    if kind in ("int4", "int4ao"):
         model = build_self_draft(target, bits=4, group_size=32)
+        if kind == "int4ao":  # act-order codes: every product gathers its inputs (QuantLinear.in_perm)
+            model = _act_order(model, 32)
+            layer = model.model.layers[0]
+            assert layer.self_attn.specquant_qkv.in_perm is not None and layer.mlp.down_proj.in_perm is not None
     elif kind == "int8":  # int8 per-channel symmetric: specquant's int8 GEMM (an int8 checkpoint's layers)
         model = build_self_draft(target, bits=8, group_size=-1)
     else:
@@ -81,11 +112,11 @@ def script(forward, model, batch: int = 1):
 def test_native_logits_are_the_lean_forwards_within_fp32_rounding(native_model):
     native = script(native_model.forward, native_model)
     torch_ops = script(LeanForward(native_model, native=False), native_model)
-    if native_model.specquant_test_kind in ("int4", "int8"):
+    if native_model.specquant_test_kind in ("int4", "int8", "int4ao"):
         assert torch.equal(native[0], torch_ops[0])  # the prompt fills an empty cache through the torch path
     else:
         assert native_model.forward.native_decoder().runs_prompts  # fp16: the C stack runs the prompt too
-    first = 1 if native_model.specquant_test_kind in ("int4", "int8") else 0
+    first = 1 if native_model.specquant_test_kind in ("int4", "int8", "int4ao") else 0
     for a, b in zip(native[first:], torch_ops[first:]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -143,7 +174,7 @@ def test_int8_activations_approximate_the_fp32_stack_and_keep_rows_independent(n
     """(int4 stacks: fp16 products keep fp32 activations.) A draft's stack (spec.act_bits=8): every product on the w4a8 kernel, close to the fp32 stack but not it, the
     prompt included (an empty cache is filled by the C stack too, keys and values close to the torch path's), and a
     row's logits still do not depend on the rows beside it."""
-    if native_model.specquant_test_kind != "int4":
+    if native_model.specquant_test_kind not in ("int4", "int4ao"):
         pytest.skip("int8 activations are for int4 products (a draft's)")
     exact = script(native_model.forward, native_model)
     native_model.forward.use_activations("int8")

@@ -157,17 +157,44 @@ def test_3d_input_and_half_activations(bits, gs):
         assert rel_err(y, reference(qw, x.reshape(-1, 128)).reshape(2, 5, 64)) < KERNEL_TOL
 
 
-def test_act_order_g_idx_takes_dequant_path():
+@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 64), (3, 32), (8, 64)])  # 96 = 64 + a ragged 32 at g64
+def test_act_order_layers_gather_their_inputs_and_run_the_plain_paths(bits, gs):
+    """An act-order g_idx (GPTQ's desc_act: each group `gs` channels, scattered) runs as a plain grouped layer on
+    inputs gathered into group order: the same kernel a trivial g_idx gets, products equal to the dequantized
+    reference at every row count, the float weight given back in the inputs' own order."""
+    qw = make_qw(64, 96, bits, gs, symmetric=False)
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(gs))
+    position = torch.argsort(perm)  # channel c is quantized at position[c], in group position[c] // gs
+    g_idx = (position // gs).to(torch.int32)
+    config = qw.config
+    wp = (torch.randn(64, 96) * 0.05)[:, perm]  # the weight in quantization order
+    scale, zero = choose_qparams(wp, config)
+    codes = quantize(wp, scale, zero, config)[:, position]  # back to the channels' own order
+    act = QuantizedWeight(codes, scale, zero, config, qw.bias, g_idx)
+    m = QuantLinear.from_quantized(act)
+    order = m.in_perm.long()  # channels sorted by group (each group's in ascending index)
+    assert torch.equal(g_idx[order].long(), torch.arange(96) // gs) and "act-order" in repr(m)
+    plain = QuantLinear.from_quantized(QuantizedWeight(codes[:, order], scale, zero, config, qw.bias))
+    assert m.kernel == plain.kernel  # (a dequant layer with a ragged last group keeps the trivial g_idx, as plain)
+    assert not hasattr(m, "g_idx") or torch.equal(m.g_idx.long(), torch.arange(96) // gs)
+    for rows in (1, 5, 70, 300):
+        x = torch.randn(rows, 96)
+        assert rel_err(m(x), reference(act, x)) < tolerance(m, rows), rows
+        assert torch.equal(m(x), plain(x[:, order])), rows
+    torch.testing.assert_close(m.dequantized_weight(), act.dequantize(torch.float32), rtol=0, atol=0)
+
+
+def test_g_idx_with_uneven_groups_takes_the_dequant_path():
     qw = make_qw(64, 128, 4, 32)
-    perm = torch.randperm(128)
-    g_idx = (perm // 32).to(torch.int32)  # a non-trivial group assignment
+    g_idx = torch.randint(0, 4, (128,), generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    g_idx[:4] = torch.arange(4, dtype=torch.int32)  # every group present, of uneven sizes
     qw = QuantizedWeight(qw.codes, qw.scale, qw.zero, qw.config, qw.bias, g_idx)
     m = QuantLinear.from_quantized(qw)
-    assert m.kernel == "dequant"
+    assert m.kernel == "dequant" and m.in_perm is None
     x = torch.randn(3, 128)
     assert rel_err(m(x), reference(qw, x)) < FP32_TOL
     trivial = QuantizedWeight(qw.codes, qw.scale, qw.zero, qw.config, qw.bias, torch.arange(128) // 32)
-    assert QuantLinear.from_quantized(trivial).kernel == "int4pack"
+    assert QuantLinear.from_quantized(trivial).kernel != "dequant"
 
 
 def test_blockwise_dequant_matches(monkeypatch):

@@ -208,6 +208,11 @@ def _split_outputs(pack, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return pack.run(x).split(pack.sizes, dim=-1)
 
 
+def _gathered(x: torch.Tensor, in_perm: torch.Tensor | None) -> torch.Tensor:
+    """x with its last dim in an act-order pack's column order (`QuantLinear.in_perm`), or x itself."""
+    return x if in_perm is None else x.index_select(-1, in_perm)
+
+
 def _on_rows(x: torch.Tensor, product) -> torch.Tensor:
     """`product` (a kernel taking fp32 rows [rows, in]) applied to x [..., in], in x's dtype and leading shape."""
     y = product(x.reshape(-1, x.shape[-1]))
@@ -238,9 +243,12 @@ class Int4Pack(NamedTuple):
     max_rows: int
     sources: tuple
 
+    in_perm: torch.Tensor | None = None  # act-order layers: the input order their columns share
+
     def run(self, x: torch.Tensor) -> torch.Tensor:
         from toolkit.quant.qlinear import int4pack_mm
 
+        x = _gathered(x, self.in_perm)
         rows = x.numel() // x.shape[-1]
         y = int4pack_mm(x.reshape(rows, x.shape[-1]), self.packed, self.group, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
@@ -263,10 +271,13 @@ class Int4N8Pack(NamedTuple):
     max_rows: int
     sources: tuple
 
+    in_perm: torch.Tensor | None = None  # act-order layers: the input order their columns share
+
     def run(self, x: torch.Tensor) -> torch.Tensor:
         from toolkit.quant import int4_native
 
-        return _on_rows(x, lambda x2: int4_native.linear(x2, self.codes, self.scale, self.zero, self.group, self.bias))
+        return _on_rows(_gathered(x, self.in_perm),
+                        lambda x2: int4_native.linear(x2, self.codes, self.scale, self.zero, self.group, self.bias))
 
     __call__ = _split_outputs
 
@@ -283,10 +294,13 @@ class Int8Pack(NamedTuple):
     max_rows: int
     sources: tuple
 
+    in_perm: torch.Tensor | None = None  # act-order layers: the input order their columns share
+
     def run(self, x: torch.Tensor) -> torch.Tensor:
         from toolkit.quant import int8_native
 
-        return _on_rows(x, lambda x2: int8_native.linear(x2, self.weight, self.scale, self.bias))
+        return _on_rows(_gathered(x, self.in_perm),
+                        lambda x2: int8_native.linear(x2, self.weight, self.scale, self.bias))
 
     __call__ = _split_outputs
 
@@ -296,6 +310,17 @@ def _stacked_bias(modules) -> torch.Tensor | None:
     if all(m.bias is None for m in modules):
         return None
     return torch.cat([(m.bias.float() if m.bias is not None else torch.zeros(m.out_features)) for m in modules])
+
+
+def _shared_in_perm(modules) -> tuple[bool, torch.Tensor | None]:
+    """(True, the `in_perm` every layer has, or None where none has one), or (False, None) where they differ: only
+    act-order layers that gather their inputs alike can share a pack (q,k,v and gate,up read one Hessian, so
+    act-order GPTQ orders their columns alike)."""
+    first = modules[0].in_perm
+    for m in modules[1:]:
+        if (m.in_perm is None) != (first is None) or (first is not None and not torch.equal(m.in_perm, first)):
+            return False, None
+    return True, first
 
 
 def _checked(pack, modules):
@@ -316,9 +341,13 @@ def _fuse_int4n8(modules) -> Int4N8Pack | None:
                and m.group_size == first.group_size and m.kernel_max_rows == first.kernel_max_rows
                and m.weight_int4n8.device.type == "cpu" for m in modules):
         return None
+    shared, in_perm = _shared_in_perm(modules)
+    if not shared:
+        return None
     return _checked(Int4N8Pack(torch.cat([m.weight_int4n8 for m in modules]), torch.cat([m.scale for m in modules]),
                                torch.cat([m.zero for m in modules]), first.group_size, _stacked_bias(modules),
-                               tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules)),
+                               tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules),
+                               in_perm),
                     modules)
 
 
@@ -338,9 +367,13 @@ def _fuse_int8(modules) -> Int8Pack | None:
     if not all(on_int8_gemm(m) and m.in_features == first.in_features and m.kernel_max_rows == first.kernel_max_rows
                and m.weight_int8_h16.device.type == "cpu" for m in modules):
         return None
+    shared, in_perm = _shared_in_perm(modules)
+    if not shared:
+        return None
     return _checked(Int8Pack(int8_native.pack(torch.cat([m.int8_rows() for m in modules])),
                              torch.cat([m.scale for m in modules]).contiguous(), _stacked_bias(modules),
-                             tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules)), modules)
+                             tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules), in_perm),
+                    modules)
 
 
 def _fuse_int4(modules) -> Int4Pack | Int4N8Pack | None:
@@ -360,10 +393,13 @@ def _fuse_int4(modules) -> Int4Pack | Int4N8Pack | None:
                and m.kernel_group_size == first.kernel_group_size and m.kernel_max_rows == first.kernel_max_rows
                and m.weight_int4pack.device.type == "cpu" for m in modules):
         return None
+    shared, in_perm = _shared_in_perm(modules)
+    if not shared:
+        return None
     return _checked(Int4Pack(torch.cat([m.weight_int4pack for m in modules]),
                              torch.cat([m.scales_and_zeros for m in modules], dim=1).contiguous(),
                              first.kernel_group_size, _stacked_bias(modules), tuple(m.out_features for m in modules),
-                             first.kernel_max_rows, tuple(modules)), modules)
+                             first.kernel_max_rows, tuple(modules), in_perm), modules)
 
 
 def _fuse(modules) -> FusedPack | Int4Pack | Int4N8Pack | Int8Pack | None:

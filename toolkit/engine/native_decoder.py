@@ -66,10 +66,11 @@ class _Q4(ctypes.Structure):
     """One product: an int4 n8 pack (`toolkit.quant.int4_native`, kind N8), a v16 pack (`toolkit.quant.vnni`, int8
     activations, kind W4A8), an fp16 h16 pack in `codes` (`toolkit.quant.half_native`, kind H16; no scale, zero or
     group) or int8 per-channel codes in the h16 order in `codes` with fp32 scales (`toolkit.quant.int8_native`, kind
-    I8; no zero or group); its fp32 bias or NULL, out, in and group."""
+    I8; no zero or group); its fp32 bias or NULL, out, in and group; an act-order product's column order (int32,
+    `QuantLinear.in_perm`) or NULL."""
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64),
-                ("kind", ctypes.c_int64)]
+                ("kind", ctypes.c_int64), ("perm", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -105,16 +106,27 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _q4(codes, scale, zero, bias, group: int, keep: list, activations: str = "fp32") -> _Q4:
+def _q4(codes, scale, zero, bias, group: int, in_perm, keep: list, activations: str = "fp32") -> _Q4:
     """The struct of one n8 product; with int8 activations its v16 pack where the layout holds it (kept alive in
-    `keep`), else the n8 pack as it is."""
+    `keep`), else the n8 pack as it is. `in_perm`: an act-order product's column order (int32), or None."""
     n, k = codes.shape[0] * int4_native.BLOCK_N, codes.shape[1] * 2
+    perm = _perm_ptr(in_perm, keep)
     if activations == "int8":
         v16 = _v16(codes, scale, zero, group)
         if v16 is not None:
             keep.extend(v16)
-            return _Q4(*(t.data_ptr() for t in v16), _ptr(bias), n, k, group, W4A8)
-    return _Q4(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), _ptr(bias), n, k, group, N8)
+            return _Q4(*(t.data_ptr() for t in v16), _ptr(bias), n, k, group, W4A8, perm)
+    return _Q4(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), _ptr(bias), n, k, group, N8, perm)
+
+
+def _perm_ptr(in_perm, keep: list):
+    """The C pointer of an act-order column order (`QuantLinear.in_perm`, int32 contiguous), kept alive; or None."""
+    if in_perm is None:
+        return None
+    if in_perm.dtype != torch.int32 or not in_perm.is_contiguous():
+        raise ValueError("an act-order column order must be int32 and contiguous")
+    keep.append(in_perm)
+    return in_perm.data_ptr()
 
 
 def _h16_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], owner) -> tuple | None:
@@ -185,7 +197,7 @@ def _single(layer) -> tuple | None:
     if type(layer) is not QuantLinear or layer.kernel != "int4n8" or hasattr(layer, "g_idx"):
         return None
     bias = None if layer.bias is None else layer.bias.float().contiguous()
-    return layer.weight_int4n8, layer.scale, layer.zero, bias, layer.group_size
+    return layer.weight_int4n8, layer.scale, layer.zero, bias, layer.group_size, layer.in_perm
 
 
 def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None:
@@ -196,16 +208,18 @@ def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None
     if not (type(qkv) is Int4N8Pack and type(gate_up) is Int4N8Pack and o and down):
         return None
     keep += [t for t in (qkv.bias, gate_up.bias, o[3], down[3]) if t is not None]
-    return (_q4(qkv.codes, qkv.scale, qkv.zero, qkv.bias, qkv.group, keep, activations), _q4(*o, keep, activations),
-            _q4(gate_up.codes, gate_up.scale, gate_up.zero, gate_up.bias, gate_up.group, keep, activations),
+    return (_q4(qkv.codes, qkv.scale, qkv.zero, qkv.bias, qkv.group, qkv.in_perm, keep, activations),
+            _q4(*o, keep, activations),
+            _q4(gate_up.codes, gate_up.scale, gate_up.zero, gate_up.bias, gate_up.group, gate_up.in_perm, keep,
+                activations),
             _q4(*down, keep, activations))
 
 
 def _int8_single(layer) -> tuple | None:
-    """(packed codes, scale, bias) of an int8 QuantLinear on specquant's int8 GEMM, else None."""
+    """(packed codes, scale, bias, in_perm) of an int8 QuantLinear on specquant's int8 GEMM, else None."""
     from toolkit.engine.lean_forward import on_int8_gemm
 
-    return (layer.weight_int8_h16, layer.scale, layer.bias) if on_int8_gemm(layer) else None
+    return (layer.weight_int8_h16, layer.scale, layer.bias, layer.in_perm) if on_int8_gemm(layer) else None
 
 
 def _int8_products(plan, keep: list) -> tuple[_Q4, ...] | None:
@@ -217,11 +231,12 @@ def _int8_products(plan, keep: list) -> tuple[_Q4, ...] | None:
     if not (type(qkv) is Int8Pack and type(gate_up) is Int8Pack and o and down):
         return None
     products = []
-    for weight, scale, bias in ((qkv.weight, qkv.scale, qkv.bias), o, (gate_up.weight, gate_up.scale, gate_up.bias),
-                                down):
+    for weight, scale, bias, in_perm in ((qkv.weight, qkv.scale, qkv.bias, qkv.in_perm), o,
+                                         (gate_up.weight, gate_up.scale, gate_up.bias, gate_up.in_perm), down):
         keep += [t for t in (weight, scale, bias) if t is not None]
         n = scale.numel()  # the codes are a flat h16 pack of [n, k]
-        products.append(_Q4(weight.data_ptr(), scale.data_ptr(), None, _ptr(bias), n, weight.numel() // n, 0, I8))
+        products.append(_Q4(weight.data_ptr(), scale.data_ptr(), None, _ptr(bias), n, weight.numel() // n, 0, I8,
+                            _perm_ptr(in_perm, keep)))
     return tuple(products)
 
 

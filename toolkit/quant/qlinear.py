@@ -20,8 +20,13 @@ zero points, and the bias, all as buffers. Which path a layer runs is recorded i
   point mapped to the kernel's float zero ``(8 - zero) * scale``. The kernel needs ``in_features % group == 0``; a
   ragged last group (SmolLM2's 576 at 128) runs zero-padded: codes padded to the next whole group, x padded with
   zeros on each call (``kernel_in``), so the padded codes never count.
+* **act-order** (``g_idx`` not ``i // group``, GPTQ's desc_act): where every group holds ``group`` input channels
+  (the last one the rest), as act-order GPTQ's do, the codes' columns are sorted by group once at load
+  (``in_perm``, int32 [in]: column j of the held codes is input channel ``in_perm[j]``) and every product first
+  gathers its inputs in that order (``x.index_select(-1, in_perm)``), so the layer runs the kernels above like a
+  plain grouped one (the exllama/vLLM way of running desc_act). Other ``g_idx`` take ``"dequant"``.
 * ``"dequant"`` -- everything else (2/3 bits, 8-bit grouped or asymmetric, 4-bit shapes the kernel refuses,
-  act-order ``g_idx``, non-CPU devices: the CUDA tinygemm packing is not implemented here). Codes are stored as
+  ``g_idx`` whose groups are not of one size, non-CPU devices: the CUDA tinygemm packing is not implemented here). Codes are stored as
   ``uint8``: 4 bits two per byte (`pack_int4_rows`, low nibble first), 2 bits four per byte (code ``4j+i`` in bits
   ``2i..2i+1`` of byte ``j``), 3 and 8 bits one code per byte (3-bit packing would save 5/8 of the bytes but needs a
   bit stream that straddles bytes; not done). Odd widths that do not divide fall back to one code per byte.
@@ -181,6 +186,8 @@ class QuantLinear(torch.nn.Module):
         self._code_layout = None  # dequant path: "int4_rows", "int2_rows" or "uint8"; int4pack: "packed"/"int4_rows"
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None)
+        self.in_perm: torch.Tensor | None  # act-order: the input channel each held column reads (module docstring)
+        self.register_buffer("in_perm", None)
 
     # ------------------------------------------------------------------------------------------ construction
 
@@ -210,6 +217,11 @@ class QuantLinear(torch.nn.Module):
         zero = qw.zero.to(device=device)
         trivial_g_idx = qw.g_idx is None or torch.equal(
             qw.g_idx.long().cpu(), torch.arange(in_f) // gs)
+        in_perm = None
+        if not trivial_g_idx and device.type == "cpu":
+            in_perm = _group_order(qw.g_idx, gs)
+            if in_perm is not None:  # act-order: columns sorted by group, the inputs gathered to match per product
+                codes, trivial_g_idx = codes[:, in_perm.long()].contiguous(), True
 
         kernel = "dequant"
         if device.type == "cpu" and trivial_g_idx:
@@ -222,6 +234,8 @@ class QuantLinear(torch.nn.Module):
             elif config.bits == 4 and _int4_kernel_group(out_f, n_groups * gs, gs) is not None:
                 kernel = "int4pack"
         self = cls(in_f, out_f, config.bits, gs, kernel)
+        if in_perm is not None:
+            self.in_perm = in_perm.to(device)
         if qw.bias is not None:
             self.bias = qw.bias.detach().to(device=device, dtype=torch.float32).clone()
 
@@ -289,6 +303,8 @@ class QuantLinear(torch.nn.Module):
     # -------------------------------------------------------------------------------------------- forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_perm is not None:
+            x = x.index_select(-1, self.in_perm)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         y = None
         # int8 layers keep their own prompt paths (exact kernel, then int8 x int8) in a bf16 prompt pass too
@@ -406,8 +422,12 @@ class QuantLinear(torch.nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float weight [out, in] the codes stand for, ``(q - zero) * scale`` in fp32, in a fresh tensor (for
-        re-quantizing a checkpoint's layers, e.g. a self-draft at fewer bits; not a runtime path)."""
-        return torch.cat([self._weight_block(n0, n1, torch.float32, fresh=True) for n0, n1 in self._blocks()])
+        re-quantizing a checkpoint's layers, e.g. a self-draft at fewer bits; not a runtime path); columns in the
+        inputs' own order (an act-order layer's held columns put back)."""
+        w = torch.cat([self._weight_block(n0, n1, torch.float32, fresh=True) for n0, n1 in self._blocks()])
+        if self.in_perm is not None:
+            w = w[:, torch.argsort(self.in_perm.long())]
+        return w
 
     # ----------------------------------------------------------------------------------------- reporting
 
@@ -426,7 +446,19 @@ class QuantLinear(torch.nn.Module):
             s += f" (group {self.kernel_group_size})"
         if self.int8_native:
             s += " (specquant int8 GEMM)"
+        if self.in_perm is not None:
+            s += ", act-order (inputs gathered by group)"
         return s + f", bias={self.bias is not None}"
+
+
+def _group_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """The input channels sorted by group (int32 [in], stable), where that makes the groups ``j // group_size``
+    (every group ``group_size`` channels, the last one the rest: act-order GPTQ's g_idx); else None."""
+    g = g_idx.long().cpu()
+    order = torch.argsort(g, stable=True)
+    if not torch.equal(g[order], torch.arange(g.numel()) // group_size):
+        return None
+    return order.to(torch.int32)
 
 
 def int4_kernel() -> str:

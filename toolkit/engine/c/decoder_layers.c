@@ -43,6 +43,8 @@ typedef struct {
      * 2: an h16 pack of fp16 weights in `codes` (half_gemm.c; scale, zero and g unused), fp32 activations;
      * 3: int8 per-channel codes in the h16 order in `codes` and fp32 scales [n] (int8_gemm.c; zero and g unused) */
     int64_t kind;
+    /* NULL, or an act-order product's column order (QuantLinear.in_perm): column j reads input channel perm[j] */
+    const int32_t *perm;
 } sq_q4;
 
 typedef struct {
@@ -55,7 +57,22 @@ typedef struct {
     float eps, scaling;
 } sq_dims;
 
+static int q4_ordered(const sq_q4 *w, const float *x, int64_t M, float *y);
+
 static int q4(const sq_q4 *w, const float *x, int64_t M, float *y) {
+    if (w->perm) { /* act-order: the rows' inputs gathered into the columns' order first */
+        float *xp = malloc(sizeof(float) * (size_t)(M * w->k + 1));
+        if (!xp) return 3;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < w->k; j++) xp[m * w->k + j] = x[m * w->k + w->perm[j]];
+        const int rc = q4_ordered(w, xp, M, y);
+        free(xp);
+        return rc;
+    }
+    return q4_ordered(w, x, M, y);
+}
+
+static int q4_ordered(const sq_q4 *w, const float *x, int64_t M, float *y) {
     if (w->kind == 3) return sq_int8_linear(x, M, w->k, (const int8_t *)w->codes, w->scale, w->bias, w->n, y);
     if (w->kind == 2) return sq_f16_linear(x, M, w->k, (const uint16_t *)w->codes, w->bias, w->n, y);
     if (w->kind == 1) return sq_w4a8_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
