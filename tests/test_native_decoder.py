@@ -33,8 +33,8 @@ def _act_order(model, group: int):
         for name, child in list(module.named_children()):
             if type(child) is QuantLinear:
                 w = child.dequantized_weight()
-                perm = orders.setdefault(w.shape[1], torch.randperm(w.shape[1],
-                                                                    generator=torch.Generator().manual_seed(w.shape[1])))
+                seed = torch.Generator().manual_seed(w.shape[1])
+                perm = orders.setdefault(w.shape[1], torch.randperm(w.shape[1], generator=seed))
                 scale, zero = choose_qparams(w[:, perm], config)
                 position = torch.argsort(perm)
                 codes = quantize(w[:, perm], scale, zero, config)[:, position]

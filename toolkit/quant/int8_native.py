@@ -6,12 +6,14 @@ tiles of 4, each tile [K, blocks, 16]) and fp32 scales [N], fp32 activations and
 from `rows`, a copy per call.
 
 Why: torch's ``aten._weight_int8pack_mm`` is vectorized only for bf16 activations. The layout: with each output's
-codes in a row of [N, K], a product spends two widenings and part of a horizontal sum per 8 codes and is bound by
-those instructions (a decode step of SmolLM2's 30 layers: ~5.3 ms, slower than the same products on fp16 weights,
-~4.3 ms, although it reads half the bytes); in the h16 order 16 codes of one input column widen once for every row
-of the pass and need no horizontal sum: ~2.5 ms (`python -m toolkit.quant.int8_native` prints both). Products equal
-the fp32 weight's to fp32 rounding (no bf16 rounding of the activations), and a row's result never depends on the
-rows beside it (the kernel's docstring says why), as speculative verification needs.
+codes in a row of [N, K] (this kernel's layout until 2026-12-05), a product spent two widenings and part of a
+horizontal sum per 8 codes and was bound by those instructions, slower than the same products on fp16 weights
+although it read half the bytes (5.3 against 4.3 ms a step of 66M weights, README); in the h16 order 16 codes of
+one input column widen once for every row of the pass and need no horizontal sum. `python -m
+toolkit.quant.int8_native` times a SmolLM2 decode step's products against fp16 and torch's int8 kernel (2-core
+EPYC: 3.98 ms against 6.74 and 8.09 at one row). Products equal the fp32 weight's to fp32 rounding (no bf16
+rounding of the activations), and a row's result never depends on the rows beside it (the kernel's docstring says
+why), as speculative verification needs.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def load(flags: tuple[str, ...] = tuple(FLAGS)):
 
 
 def _self_test(lib) -> str | None:
-    x, w, s, y = torch.ones(1, 8), pack(torch.full((16, 8), 3, dtype=torch.int8)), torch.full((16,), 0.5), torch.empty(1, 16)
+    x, s, y = torch.ones(1, 8), torch.full((16,), 0.5), torch.empty(1, 16)
+    w = pack(torch.full((16, 8), 3, dtype=torch.int8))
     rc = lib.sq_int8_linear(x.data_ptr(), 1, 8, w.data_ptr(), s.data_ptr(), None, 16, y.data_ptr())
     if rc == 0 and torch.equal(y, torch.full((1, 16), 12.0)):
         return None
@@ -77,7 +80,8 @@ def rows(packed: torch.Tensor, n: int, k: int, n0: int = 0, n1: int | None = Non
     return half_native.untile(packed, n, k, n0, n1)
 
 
-def linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ (w * scale[:, None]).T (+ bias) in fp32: `packed` the codes w [N, K] as `pack` made them,
     scale fp32 [N], bias fp32 [N] or None (added in the kernel). Call only where `available()`."""
     if x2.dtype != torch.float32:

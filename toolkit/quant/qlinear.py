@@ -26,8 +26,8 @@ zero points, and the bias, all as buffers. Which path a layer runs is recorded i
   gathers its inputs in that order (``x.index_select(-1, in_perm)``), so the layer runs the kernels above like a
   plain grouped one (the exllama/vLLM way of running desc_act). Other ``g_idx`` take ``"dequant"``.
 * ``"dequant"`` -- everything else (2/3 bits, 8-bit grouped or asymmetric, 4-bit shapes the kernel refuses,
-  ``g_idx`` whose groups are not of one size, non-CPU devices: the CUDA tinygemm packing is not implemented here). Codes are stored as
-  ``uint8``: 4 bits two per byte (`pack_int4_rows`, low nibble first), 2 bits four per byte (code ``4j+i`` in bits
+  ``g_idx`` whose groups are not of one size, non-CPU devices: the CUDA tinygemm packing is not implemented here).
+  Codes are stored as ``uint8``: 4 bits two per byte (`pack_int4_rows`, low nibble first), 2 bits four per byte (code ``4j+i`` in bits
   ``2i..2i+1`` of byte ``j``), 3 and 8 bits one code per byte (3-bit packing would save 5/8 of the bytes but needs a
   bit stream that straddles bytes; not done). Odd widths that do not divide fall back to one code per byte.
   forward dequantizes block by block (output rows, ~16 MB of float per block) into the compute dtype and runs
@@ -604,7 +604,8 @@ def _bench(n: int = 1536, k: int = 576, rows=(1, 4, 8, 16, 32, 48, 64, 128, 256,
                     lambda: F.linear(x.to(torch.bfloat16), layer._weight_block(0, n, torch.bfloat16)).float()))
             if layer.kernel == "int8pack" and int8_dynamic.available():
                 table.setdefault("int8 x int8 (7-bit act, 16 outl.)", []).append(timed(
-                    lambda: int8_dynamic.linear(x, layer.int8_rows(), layer.scale, z, int8_dynamic.outlier_channels(k))))
+                    lambda: int8_dynamic.linear(x, layer.int8_rows(), layer.scale, z,
+                                                int8_dynamic.outlier_channels(k))))
             if bits == 8:
                 table.setdefault("fp32 F.linear, float weight", []).append(timed(lambda: F.linear(x, w)))
     print(f"{n}x{k} layer, {torch.get_num_threads()} threads, best of {reps}, microseconds")
