@@ -42,7 +42,7 @@ if [[ ${QUICK:-0} == 1 ]]; then
   EVAL_KV=(task=ppl max_windows=4)
   BENCH_ARGS=(prompt_tokens=128 new_tokens=32 n_prompts=2 repeats=1)
 else
-  RECIPES=${RECIPES:-"rtn-w8 rtn-w4g64 gptq-w4g64 awq-w4g64 gptq-w3g64"}
+  RECIPES=${RECIPES:-"rtn-w8 rtn-w4g64 gptq-w4g64 awq-w4g64 awq-gptq-w4g64 gptq-w3g64"}
   KVS=${KVS:-"fp,int8,int4"}
   SPECS=${SPECS:-"none,lookup,self"}
   EVAL_FP=(task=all max_windows=8 items=200 gen_prompts=4)
