@@ -312,15 +312,12 @@ def _stacked_bias(modules) -> torch.Tensor | None:
     return torch.cat([(m.bias.float() if m.bias is not None else torch.zeros(m.out_features)) for m in modules])
 
 
-def _shared_in_perm(modules) -> tuple[bool, torch.Tensor | None]:
-    """(True, the `in_perm` every layer has, or None where none has one), or (False, None) where they differ: only
-    act-order layers that gather their inputs alike can share a pack (q,k,v and gate,up read one Hessian, so
-    act-order GPTQ orders their columns alike)."""
-    first = modules[0].in_perm
-    for m in modules[1:]:
-        if (m.in_perm is None) != (first is None) or (first is not None and not torch.equal(m.in_perm, first)):
-            return False, None
-    return True, first
+def _same_in_perm(m, first) -> bool:
+    """Whether layer `m` gathers its inputs as `first` does (`QuantLinear.in_perm`, both None or equal): only such
+    layers can share a pack (q,k,v and gate,up read one Hessian, so act-order GPTQ orders their columns alike)."""
+    if m.in_perm is None or first.in_perm is None:
+        return m.in_perm is first.in_perm
+    return torch.equal(m.in_perm, first.in_perm)
 
 
 def _checked(pack, modules):
@@ -339,15 +336,12 @@ def _fuse_int4n8(modules) -> Int4N8Pack | None:
     if not all(type(m) is QuantLinear and m.kernel == "int4n8" and not hasattr(m, "g_idx")
                and m.in_features == first.in_features
                and m.group_size == first.group_size and m.kernel_max_rows == first.kernel_max_rows
-               and m.weight_int4n8.device.type == "cpu" for m in modules):
-        return None
-    shared, in_perm = _shared_in_perm(modules)
-    if not shared:
+               and m.weight_int4n8.device.type == "cpu" and _same_in_perm(m, first) for m in modules):
         return None
     return _checked(Int4N8Pack(torch.cat([m.weight_int4n8 for m in modules]), torch.cat([m.scale for m in modules]),
                                torch.cat([m.zero for m in modules]), first.group_size, _stacked_bias(modules),
                                tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules),
-                               in_perm),
+                               first.in_perm),
                     modules)
 
 
@@ -365,14 +359,12 @@ def _fuse_int8(modules) -> Int8Pack | None:
 
     first = modules[0]
     if not all(on_int8_gemm(m) and m.in_features == first.in_features and m.kernel_max_rows == first.kernel_max_rows
-               and m.weight_int8_h16.device.type == "cpu" for m in modules):
-        return None
-    shared, in_perm = _shared_in_perm(modules)
-    if not shared:
+               and m.weight_int8_h16.device.type == "cpu" and _same_in_perm(m, first) for m in modules):
         return None
     return _checked(Int8Pack(int8_native.pack(torch.cat([m.int8_rows() for m in modules])),
                              torch.cat([m.scale for m in modules]).contiguous(), _stacked_bias(modules),
-                             tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules), in_perm),
+                             tuple(m.out_features for m in modules), first.kernel_max_rows, tuple(modules),
+                             first.in_perm),
                     modules)
 
 
@@ -391,15 +383,12 @@ def _fuse_int4(modules) -> Int4Pack | Int4N8Pack | None:
     if not all(type(m) is QuantLinear and m.kernel == "int4pack" and m._code_layout == "packed"
                and not hasattr(m, "g_idx") and m.kernel_in == m.in_features == first.in_features
                and m.kernel_group_size == first.kernel_group_size and m.kernel_max_rows == first.kernel_max_rows
-               and m.weight_int4pack.device.type == "cpu" for m in modules):
-        return None
-    shared, in_perm = _shared_in_perm(modules)
-    if not shared:
+               and m.weight_int4pack.device.type == "cpu" and _same_in_perm(m, first) for m in modules):
         return None
     return _checked(Int4Pack(torch.cat([m.weight_int4pack for m in modules]),
                              torch.cat([m.scales_and_zeros for m in modules], dim=1).contiguous(),
                              first.kernel_group_size, _stacked_bias(modules), tuple(m.out_features for m in modules),
-                             first.kernel_max_rows, tuple(modules), in_perm), modules)
+                             first.kernel_max_rows, tuple(modules), first.in_perm), modules)
 
 
 def _fuse(modules) -> FusedPack | Int4Pack | Int4N8Pack | Int8Pack | None:

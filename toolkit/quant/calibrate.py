@@ -116,11 +116,10 @@ def calibration_batches(tokenizer, dataset="pydoc", n_samples: int = 128, seq_le
         if any(not name for name in names) or len(set(names)) != len(names):
             raise ValueError(f"a calibration mix names each dataset once, joined by '+' (e.g. pydoc+austen); got "
                              f"{dataset!r}")
-        counts = [len(range(i, n_samples, len(names))) for i in range(len(names))]  # window i from source i % n
-        parts = [calibration_batches(tokenizer, name, count, seq_len, seed, add_bos) if count else None
-                 for name, count in zip(names, counts)]
-        order = [(i % len(names), i // len(names)) for i in range(n_samples)]
-        return torch.stack([parts[source][j] for source, j in order])
+        n = len(names)  # window i is window i // n of source i % n, which gives len(range(s, n_samples, n)) of them
+        parts = [calibration_batches(tokenizer, name, len(range(s, n_samples, n)), seq_len, seed, add_bos)
+                 if s < n_samples else None for s, name in enumerate(names)]
+        return torch.stack([parts[i % n][i // n] for i in range(n_samples)])
     if isinstance(dataset, (str, os.PathLike)):
         from toolkit.data import CALIBRATION, load_text
 

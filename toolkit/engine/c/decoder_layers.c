@@ -57,7 +57,12 @@ typedef struct {
     float eps, scaling;
 } sq_dims;
 
-static int q4_ordered(const sq_q4 *w, const float *x, int64_t M, float *y);
+static int q4_ordered(const sq_q4 *w, const float *x, int64_t M, float *y) {
+    if (w->kind == 3) return sq_int8_linear(x, M, w->k, (const int8_t *)w->codes, w->scale, w->bias, w->n, y);
+    if (w->kind == 2) return sq_f16_linear(x, M, w->k, (const uint16_t *)w->codes, w->bias, w->n, y);
+    if (w->kind == 1) return sq_w4a8_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
+    return sq_int4_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
+}
 
 static int q4(const sq_q4 *w, const float *x, int64_t M, float *y) {
     if (w->perm) { /* act-order: the rows' inputs gathered into the columns' order first */
@@ -70,13 +75,6 @@ static int q4(const sq_q4 *w, const float *x, int64_t M, float *y) {
         return rc;
     }
     return q4_ordered(w, x, M, y);
-}
-
-static int q4_ordered(const sq_q4 *w, const float *x, int64_t M, float *y) {
-    if (w->kind == 3) return sq_int8_linear(x, M, w->k, (const int8_t *)w->codes, w->scale, w->bias, w->n, y);
-    if (w->kind == 2) return sq_f16_linear(x, M, w->k, (const uint16_t *)w->codes, w->bias, w->n, y);
-    if (w->kind == 1) return sq_w4a8_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
-    return sq_int4_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
 }
 
 /* y = w * (x * (1 / sqrt(mean(x^2) + eps))), per row; the sum of squares in fixed order */
