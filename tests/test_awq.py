@@ -320,19 +320,24 @@ def test_awq_next_inputs_is_validated():
         QuantRecipe(method="awq", awq_next_inputs="bf16")
 
 
-def test_input_collector_reads_rows_and_channel_means_without_concatenating():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_input_collector_reads_rows_and_channel_means_without_concatenating(dtype):
+    """...and without touching the collected inputs: fp32 calibration once had ``mean_abs`` overwrite them with
+    |x| in place (the clip search and GPTQ rounding then read |x|)."""
     from toolkit.quant.awq import InputCollector
 
     g = torch.Generator().manual_seed(6)
-    parts = [torch.randn(b, 5, 12, generator=g).to(torch.bfloat16) for b in (2, 1, 3)]  # [batch, seq, in] slices
+    parts = [torch.randn(b, 5, 12, generator=g).to(dtype) for b in (2, 1, 3)]  # [batch, seq, in] slices
+    originals = [part.clone() for part in parts]
     collector = InputCollector()
     for part in parts:
         collector.add(part)
-    every = torch.cat([p.reshape(-1, 12) for p in parts]).float()
+    every = torch.cat([p.reshape(-1, 12) for p in originals]).float()
     assert collector.n_rows == 30
     index = torch.tensor([0, 4, 9, 10, 11, 15, 29])
-    torch.testing.assert_close(collector.take_rows(index), every[index])
     torch.testing.assert_close(collector.mean_abs(), every.abs().mean(0))
+    torch.testing.assert_close(collector.take_rows(index), every[index])
+    assert all(torch.equal(kept, original) for kept, original in zip(collector.inputs, originals))
 
 
 def _correlated_outlier_inputs(tokens=4096, cols=128, seed=3):

@@ -101,7 +101,9 @@ class InputCollector:
         total, count = None, 0
         for x in self._flat():
             for chunk in x.split(8192):
-                part = chunk.float().abs_().sum(0)  # (2x vector_norm(ord=1, dtype=float32) on bf16 here)
+                # a float32 COPY even of float32 inputs (`.float()` would return the collected tensor itself and
+                # abs_ would overwrite it with |x|), then in place (2x vector_norm(ord=1, dtype=float32) on bf16)
+                part = chunk.to(torch.float32, copy=True).abs_().sum(0)
                 total = part if total is None else total + part
                 count += chunk.shape[0]
         return total / count
