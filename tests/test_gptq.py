@@ -199,3 +199,78 @@ def test_mse_option_takes_each_groups_range_from_the_search():
     rtn = rtn_quantize(w, config, mse=True)
     assert torch.equal(rtn.scale, expected[0]) and torch.equal(rtn.zero, expected[1])
     assert _out_err(x, w, searched.dequantize()) < 0.9 * _out_err(x, w, rtn.dequantize())
+
+
+# ------------------------------------------------------------------------ GPTAQ (asymmetric calibration)
+
+def _asymmetric_data(seed=1):
+    """Float-model inputs x̃ and the inputs x the layer really gets after quantized layers before it: x̃ plus a
+    correlated drift (what earlier layers' rounding does), as in GPTAQ's setting."""
+    x_float, w = _data(seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    drift = x_float @ (0.15 * torch.randn(IN, IN, generator=g) / IN ** 0.5) + 0.05 * torch.randn(N, IN, generator=g)
+    return x_float, x_float + drift, w
+
+
+def test_accumulator_averages_the_asymmetric_cross_term_in_the_order_of_the_inputs():
+    x_float, x, _ = _asymmetric_data()
+    acc = HessianAccumulator(IN, float_inputs=x_float.reshape(2, N // 2, IN))  # any leading shape
+    for chunk in x.split(N // 4):
+        acc.add(chunk.reshape(2, -1, IN))
+    torch.testing.assert_close(acc.hessian, 2 / N * x.t() @ x, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(acc.delta_xxt, 2 / N * (x_float - x).t() @ x, rtol=1e-4, atol=1e-4)
+    assert HessianAccumulator(IN).delta_xxt is None  # plain GPTQ keeps no cross term
+    with pytest.raises(ValueError, match="more inputs"):
+        acc.add(x[:1])
+
+
+def test_gptaq_fits_the_float_models_outputs_better_than_gptq():
+    """GPTAQ's objective |W x̃ - Q x|: the quantized layer, fed the drifted inputs, lands nearer the FLOAT
+    layer's outputs than plain GPTQ (which fits W x); alpha=0 (or no cross term) is plain GPTQ, code for code."""
+    x_float, x, w = _asymmetric_data()
+    acc = HessianAccumulator(IN, float_inputs=x_float)
+    acc.add(x)
+    config = QuantConfig(4, 32, False)
+    plain, _ = gptq_quantize(w, acc.hessian, config)
+    zero_alpha, _ = gptq_quantize(w, acc.hessian, config, delta_xxt=acc.delta_xxt, asym_alpha=0.0)
+    assert torch.equal(plain.codes, zero_alpha.codes) and torch.equal(plain.scale, zero_alpha.scale)
+
+    def float_err(qw):
+        return torch.linalg.norm(x_float @ w.t() - x @ qw.dequantize().t()).item()
+
+    errs = {a: float_err(gptq_quantize(w, acc.hessian, config, delta_xxt=acc.delta_xxt, asym_alpha=a)[0])
+            for a in (0.25, 0.5, 1.0)}
+    assert all(e < float_err(plain) for e in errs.values()), (errs, float_err(plain))
+    assert errs[1.0] < 0.8 * float_err(plain), (errs, float_err(plain))
+
+
+def test_gptaq_target_is_the_least_squares_weight():
+    """With alpha=1 and no damping, the weight GPTAQ quantizes is argmin |W x̃ - W* x|: W* = W (x̃ᵀx)(xᵀx)⁻¹."""
+    from toolkit.quant.gptq import _asymmetric_shift
+
+    x_float, x, w = _asymmetric_data()
+    x_float, x, w = x_float.double(), x.double(), w.double()
+    h, delta = 2 / N * x.t() @ x, 2 / N * (x_float - x).t() @ x
+    target = w + _asymmetric_shift(w, h, delta, torch.zeros(IN, dtype=torch.bool), damp_percent=0.0)
+    lstsq = torch.linalg.lstsq(x, x_float @ w.t()).solution.t()
+    torch.testing.assert_close(target, lstsq, rtol=1e-6, atol=1e-8)
+
+
+def test_gptaq_step_is_damped_as_gptqs_own_solve_where_h_is_not_positive_definite():
+    """An indefinite H (bf16 products can make one: SmolLM2's and Gemma 3's first blocks) gets its damping raised
+    x10 until it factors, for the GPTAQ step as for GPTQ's own solve."""
+    from toolkit.quant.gptq import _asymmetric_shift
+
+    x_float, x, w = _asymmetric_data()
+    h, delta = 2 / N * x.t() @ x, 2 / N * (x_float - x).t() @ x
+    mean_diag = float(torch.diag(h).mean())
+    smallest = float(torch.linalg.eigvalsh(h)[0])
+    h = h - (smallest + 0.05 * mean_diag) * torch.eye(IN)  # not positive definite at 1% damping; it is at 10%
+    shift = _asymmetric_shift(w, h, delta, torch.zeros(IN, dtype=torch.bool), damp_percent=0.01)
+    damped = h + 0.1 * float(torch.diag(h).mean()) * torch.eye(IN)
+    torch.testing.assert_close(shift, torch.linalg.solve(damped, (w @ delta).t()).t(), rtol=1e-3, atol=1e-5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qw, _ = gptq_quantize(w, h, QuantConfig(4, 32, False), delta_xxt=delta, asym_alpha=1.0)
+    assert caught and all("retrying with damp_percent=0.1" in str(w.message) for w in caught)
+    assert torch.isfinite(qw.scale).all() and float(qw.dequantize().abs().max()) < 10 * float(w.abs().max())

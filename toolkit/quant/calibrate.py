@@ -384,6 +384,44 @@ def _run_block(block, inputs, kwargs) -> list[torch.Tensor]:
             for batch in inputs]
 
 
+def _float_pass(block, inputs, kwargs, linears: dict[str, nn.Linear]):
+    """GPTAQ's float pass: ``block`` (not yet quantized) over the float model's hidden states ``inputs``.
+
+    Returns ``(recorded, outputs)``: each Linear's inputs as ``[n_tokens, in]`` rows in sample order (Linears fed
+    the same tensor, q,k,v or gate,up, share one), and the block's outputs, the float model's next hidden states.
+    """
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
+    alias: dict[str, str] = {}
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(module, args, name):
+        x = args[0]
+        if name not in alias:
+            same = next((other for other, t in seen.items() if t is x), None)
+            if same is not None:
+                alias[name] = same
+            else:
+                parts[name].append(x.detach().reshape(-1, x.shape[-1]))
+        seen[name] = x
+
+    handles = [lin.register_forward_pre_hook(lambda module, args, name=name: hook(module, args, name))
+               for name, lin in linears.items()]
+    outputs = []
+    try:
+        for batch in inputs:
+            chunks = []
+            for x in batch.split(_FORWARD_SAMPLES):
+                seen.clear()
+                chunks.append(_output_hidden(block(x, **kwargs)).detach())
+            outputs.append(torch.cat(chunks))
+    finally:
+        for handle in handles:
+            handle.remove()
+    recorded = {name: torch.cat(rows) for name, rows in parts.items() if name not in alias}
+    recorded.update({name: recorded[source] for name, source in alias.items()})
+    return recorded, outputs
+
+
 def _batched(inputs: list[torch.Tensor], size: int) -> list[torch.Tensor]:
     """Per-sample ``[1, seq, hidden]`` inputs as batches of ``size`` samples (0: one batch of all)."""
     size = size or len(inputs)
@@ -594,9 +632,11 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
         device = torch.device("cpu")  # offloaded tensors sit on meta; accelerate computes on the CPU here
     calib = _forward_dtype(recipe, offloaded, device)
 
+    # GPTAQ: every block also runs in float over the float model's hidden states (a second stream of inputs)
+    float_pass = getattr(layer_quantizer, "needs_float_inputs", False)
     state = None
     done = 0
-    saved_inputs = None
+    saved_inputs = saved_float = None
     weights: dict[str, QuantizedWeight] = {}
     errors: dict[str, float] = {}
     if state_dir is not None:
@@ -624,17 +664,22 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                 _set_weight(per_block[i][name], qw)
         if 0 < done < len(blocks):
             saved_inputs = torch.load(state / f"inputs_{done:04d}.pt", weights_only=True).to(device)
+            if float_pass:
+                saved_float = torch.load(state / f"float_inputs_{done:04d}.pt", weights_only=True).to(device)
 
     timer = _Timer()
     if done < len(blocks):
         with timer("capture block 0 inputs"):
             inputs, block_kwargs = _capture(model, blocks, batches, device)
+        float_inputs = list(saved_float.split(1)) if saved_float is not None else inputs
         if saved_inputs is not None:
             inputs = list(saved_inputs.split(1))
         if calib is not None:
             inputs = [x.to(calib) for x in inputs]
+            float_inputs = [x.to(calib) for x in float_inputs]
             block_kwargs = [_cast_floats(kw, calib) for kw in block_kwargs]
         inputs = _batched(inputs, recipe.calib_batch)
+        float_inputs = _batched(float_inputs, recipe.calib_batch) if float_pass else None
         with tqdm(range(done, len(blocks)), desc=f"blockwise {recipe.method} int{recipe.bits}", unit="block",
                   disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
             for i in bar:
@@ -643,6 +688,12 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                     onload(block)  # this block's weights into RAM, from accelerate's offload folder
                 block_weights = {}
                 runner, runner_linears = _runner(block, per_block[i], calib)
+                if float_pass:  # before any of the block is quantized: its layers' float inputs, its float outputs
+                    with timer("block forwards, float pass (GPTAQ)"):
+                        recorded, float_inputs = _float_pass(runner, float_inputs, kwargs, runner_linears)
+                    layer_quantizer.float_inputs = {id(lin): recorded[name] for linears in (per_block[i], runner_linears)
+                                                    for name, lin in linears.items()}
+                    del recorded
 
                 def finish(name, qw, linears=per_block[i], runner_linears=runner_linears):
                     errors[name] = relative_error(linears[name].weight, qw)
@@ -694,6 +745,8 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                             inputs = _run_block(runner, inputs, kwargs)
                 weights.update(block_weights)
                 del runner, runner_linears
+                if float_pass:
+                    layer_quantizer.float_inputs = {}
                 if offloaded:
                     release(list(per_block[i].values()))  # RAM stays about one block: the codes are kept
                 if state is not None:
@@ -701,9 +754,12 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                                   "errors": {n: errors[n] for n in block_weights}}, state / f"block_{i:04d}.pt")
                     if i + 1 < len(blocks):
                         _atomic_save(torch.cat(inputs).cpu(), state / f"inputs_{i + 1:04d}.pt")
+                        if float_pass:
+                            _atomic_save(torch.cat(float_inputs).cpu(), state / f"float_inputs_{i + 1:04d}.pt")
                     _atomic_json({**record, "blocks_done": i + 1}, progress_file)
                     (state / f"inputs_{i:04d}.pt").unlink(missing_ok=True)
-        del inputs
+                    (state / f"float_inputs_{i:04d}.pt").unlink(missing_ok=True)
+        del inputs, float_inputs
 
     if offloaded:
         onload(model)
@@ -717,15 +773,20 @@ class GPTQLayerQuantizer:
 
     def __init__(self, recipe: QuantRecipe):
         self.recipe = recipe
+        # GPTAQ: the driver runs each block in float first and sets, per Linear (by id), its float inputs
+        self.needs_float_inputs = recipe.gptaq_alpha > 0
+        self.float_inputs: dict[int, torch.Tensor] = {}
 
     def accumulator(self, linear: nn.Linear):
-        return HessianAccumulator(linear.in_features)  # flattens [..., in] inputs to rows itself
+        # flattens [..., in] inputs to rows itself; with GPTAQ also averages (x_float - x) xᵀ
+        return HessianAccumulator(linear.in_features, float_inputs=self.float_inputs.get(id(linear)))
 
     def quantize(self, name: str, linear: nn.Linear, accumulator) -> QuantizedWeight:
         r = self.recipe
         qw, _loss = gptq_quantize(linear.weight, accumulator.hessian, r.config, damp_percent=r.damp_percent,
                                   block_size=r.block_size, act_order=r.act_order, static_groups=r.static_groups,
-                                  mse=r.mse, bias=linear.bias)
+                                  mse=r.mse, bias=linear.bias, delta_xxt=accumulator.delta_xxt,
+                                  asym_alpha=r.gptaq_alpha)
         return qw
 
     def quantize_together(self, linears: list[nn.Linear], accumulator) -> list[QuantizedWeight]:
@@ -735,7 +796,7 @@ class GPTQLayerQuantizer:
         stacked = torch.cat([lin.weight for lin in linears])
         qw, _loss = gptq_quantize(stacked, accumulator.hessian, r.config, damp_percent=r.damp_percent,
                                   block_size=r.block_size, act_order=r.act_order, static_groups=r.static_groups,
-                                  mse=r.mse)
+                                  mse=r.mse, delta_xxt=accumulator.delta_xxt, asym_alpha=r.gptaq_alpha)
         parts, start = [], 0
         for lin in linears:
             rows = slice(start, start + lin.out_features)
@@ -749,7 +810,8 @@ class GPTQLayerQuantizer:
     def fingerprint(self) -> dict:
         r = self.recipe
         return {"method": "gptq", "config": dataclasses.asdict(r.config), "damp_percent": r.damp_percent,
-                "block_size": r.block_size, "act_order": r.act_order, "static_groups": r.static_groups, "mse": r.mse}
+                "block_size": r.block_size, "act_order": r.act_order, "static_groups": r.static_groups, "mse": r.mse,
+                "gptaq_alpha": r.gptaq_alpha}
 
 
 def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, progress: bool = True,

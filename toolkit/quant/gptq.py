@@ -25,11 +25,19 @@ _DAMP_RETRIES = 4  # damping is raised x10 this many times before giving up
 
 
 class HessianAccumulator:
-    """Running average ``H = 2/n Σ x xᵀ`` (float32 ``[in, in]``) over every input vector passed to `add`."""
+    """Running average ``H = 2/n Σ x xᵀ`` (float32 ``[in, in]``) over every input vector passed to `add`.
 
-    def __init__(self, in_features: int | None = None, device: torch.device | str | None = None):
+    With ``float_inputs`` (``[n, in]``: the float model's input of this layer for the same tokens, in the order
+    `add` will see them), it also averages GPTAQ's cross term ``delta_xxt = 2/n Σ (x̃ - x) xᵀ`` (x̃ the float
+    input, x the input through the already-quantized layers before; see `gptq_quantize`'s ``delta_xxt``).
+    """
+
+    def __init__(self, in_features: int | None = None, device: torch.device | str | None = None,
+                 float_inputs: torch.Tensor | None = None):
         self.hessian: torch.Tensor | None = None
         self.samples = 0
+        self.float_inputs = None if float_inputs is None else float_inputs.reshape(-1, float_inputs.shape[-1])
+        self.delta_xxt: torch.Tensor | None = None
         if in_features is not None:
             self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
 
@@ -52,12 +60,26 @@ class HessianAccumulator:
             return
         x = x.to(self.hessian.device)
         beta = self.samples / (self.samples + n)
+        if self.float_inputs is not None:
+            self._add_delta(x, beta, 2.0 / (self.samples + n))
         self.samples += n
         if x.dtype == torch.bfloat16:
             _add_symmetric_gram(self.hessian.mul_(beta), x, 2.0 / self.samples)
             return
         # H <- H * old/new + (2/new) xᵀx in one in-place GEMM (no temporaries of x or of an [in, in] product).
         self.hessian.addmm_(x.t(), x, beta=beta, alpha=2.0 / self.samples)
+
+    def _add_delta(self, x: torch.Tensor, beta: float, alpha: float) -> None:
+        """``delta_xxt <- beta delta_xxt + alpha (x̃ - x)ᵀ x`` for the next ``len(x)`` float input rows."""
+        start = self.samples
+        if start + x.shape[0] > self.float_inputs.shape[0]:
+            raise ValueError(f"the layer got more inputs ({start + x.shape[0]} rows) than the float pass recorded "
+                             f"({self.float_inputs.shape[0]})")
+        x_float = self.float_inputs[start:start + x.shape[0]].to(device=x.device, dtype=x.dtype)
+        if self.delta_xxt is None:
+            self.delta_xxt = torch.zeros_like(self.hessian)
+        delta = (x_float - x).t() @ x  # one GEMM in x's dtype (bf16 calibration: as the Hessian's)
+        self.delta_xxt.mul_(beta).add_(delta.to(torch.float32), alpha=alpha)
 
 
 def _add_symmetric_gram(h: torch.Tensor, x: torch.Tensor, alpha: float) -> None:
@@ -77,8 +99,9 @@ def _add_symmetric_gram(h: torch.Tensor, x: torch.Tensor, alpha: float) -> None:
     h[m:, :m].add_(off.t(), alpha=alpha)
 
 
-def _inverse_cholesky(h: torch.Tensor, damp_percent: float) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1``; raises damping x10 while not PD."""
+def _inverse_cholesky(h: torch.Tensor, damp_percent: float, warn: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, L)``: the upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1`` and the lower one of that
+    damped H itself; damping is raised x10 while either is not positive definite (with a warning if ``warn``)."""
     mean_diag = torch.mean(torch.diag(h))
     damp = damp_percent
     for attempt in range(_DAMP_RETRIES + 1):
@@ -88,14 +111,28 @@ def _inverse_cholesky(h: torch.Tensor, damp_percent: float) -> torch.Tensor:
         if int(info) == 0:
             upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
             if int(info) == 0 and bool(torch.isfinite(upper).all()):
-                return upper
+                return upper, lower
         if attempt == _DAMP_RETRIES:
             break
         damp = damp * 10 if damp > 0 else 0.01
-        warnings.warn(f"GPTQ: the damped Hessian is not positive definite; retrying with damp_percent={damp:g}",
-                      RuntimeWarning, stacklevel=3)
+        if warn:
+            warnings.warn(f"GPTQ: the damped Hessian is not positive definite; retrying with damp_percent={damp:g}",
+                          RuntimeWarning, stacklevel=3)
     raise RuntimeError(f"GPTQ: the Hessian is not positive definite even with damp_percent={damp:g}; check the "
                        f"calibration inputs (NaN/Inf, or far too few samples)")
+
+
+def _asymmetric_shift(w: torch.Tensor, h: torch.Tensor, delta_xxt: torch.Tensor, dead: torch.Tensor,
+                      damp_percent: float) -> torch.Tensor:
+    """``W Δ H⁻¹``, H damped exactly as GPTQ's own solve damps it (raised the same way where H is not positive
+    definite: a solve at the nominal damping would answer for a matrix GPTQ itself refused), Δ's dead columns
+    zero: the least-squares step from W towards the weight whose output on the quantized-path inputs best
+    matches the float model's."""
+    delta = delta_xxt.clone()
+    delta[:, dead] = 0.0
+    _, lower = _inverse_cholesky(h, damp_percent, warn=False)  # GPTQ's own call below warns
+    # H is symmetric: W Δ H⁻¹ = (H⁻¹ (W Δ)ᵀ)ᵀ
+    return torch.cholesky_solve((w @ delta).t(), lower).t()
 
 
 def _fake_quant(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int):
@@ -106,7 +143,8 @@ def _fake_quant(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConfig, *, damp_percent: float = 0.01,
                   block_size: int = 128, act_order: bool = False, static_groups: bool = False, mse: bool = False,
-                  bias: torch.Tensor | None = None) -> tuple[QuantizedWeight, float]:
+                  bias: torch.Tensor | None = None, delta_xxt: torch.Tensor | None = None,
+                  asym_alpha: float = 0.25) -> tuple[QuantizedWeight, float]:
     """GPTQ-quantize ``weight [out, in]`` given the input Hessian ``hessian [in, in]`` (see `HessianAccumulator`).
 
     Options (the reference's knobs): ``damp_percent`` — ``damp_percent * mean(diag H)`` is added to the diagonal
@@ -115,6 +153,12 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     every group's qparams up front on the (dead-column-zeroed) original weight instead of when the group starts;
     ``mse`` — choose each group's range by the reference quantizer's grid search (`search_qparams`: the range
     shrunk where that rounds the group with less error) instead of its min/max (`choose_qparams`).
+    ``delta_xxt`` (GPTAQ / GPTQv2, Li et al. 2025: asymmetric calibration) — ``2/n Σ (x̃ - x) xᵀ`` from
+    `HessianAccumulator` with ``float_inputs``: the layer is fitted to the FLOAT model's output ``W x̃`` from the
+    inputs ``x`` it really gets (through the quantized layers before it), not to ``W x``. Since
+    ``|W X̃ - Q X|² = |W X̃ - W* X|² + |(W* - Q) X|²`` for the least-squares ``W* = W + W Δ H⁻¹``, that is GPTQ
+    run on ``W*`` with the same H; ``asym_alpha`` scales the correction (the paper's alpha, 0.25 by default:
+    the full step over-fits the calibration tokens). H is damped for the step exactly as for GPTQ's solve.
     Input channels with ``H[i, i] == 0`` never fire: their weights become 0.
 
     Returns the `QuantizedWeight` (codes/scale/zero in the ORIGINAL column order; with ``act_order`` a ``g_idx``
@@ -140,6 +184,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w_all[:, dead] = 0.0
+    if delta_xxt is not None and asym_alpha > 0:
+        w_all += asym_alpha * _asymmetric_shift(w_all, h, delta_xxt.detach().to(h), dead, damp_percent)
 
     scale = torch.empty(out, n_groups, dtype=torch.float32, device=w_all.device)
     zero = torch.empty(out, n_groups, dtype=torch.int32, device=w_all.device)
@@ -154,7 +200,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     pos_group = perm // gs if upfront else torch.arange(cols, device=w_all.device) // gs
     col_config = QuantConfig(bits=config.bits, group_size=-1, symmetric=config.symmetric)
 
-    hinv = _inverse_cholesky(h, damp_percent)
+    hinv, _ = _inverse_cholesky(h, damp_percent)
     # The column loop works on the TRANSPOSED weight [cols, out]: a column, its codes and its error are contiguous
     # rows, and the rank-1 update of the block's later columns one contiguous `addr_` (2-3x faster than the
     # strided [out, cols] update on CPU). The arithmetic is the reference's, element for element.

@@ -56,6 +56,10 @@ class QuantRecipe:
     block_size: int = 128
     # GPTQ and RTN: choose each group's range by the reference quantizer's MSE grid search (Quantizer(mse=True))
     mse: bool = False
+    # GPTQ: GPTAQ's asymmetric calibration (Li et al. 2025, GPTQModel's v2): fit each layer to the FLOAT model's output from the inputs it gets through the quantized
+    # layers before it; the correction's alpha (the paper's 0.25; 1 = the full least-squares step), 0 = off (plain
+    # GPTQ). Costs one float forward of each block more and its layers' float inputs in memory
+    gptaq_alpha: float = 0.0
     # GPTQ: quantize a block's q,k,v | o | gate,up | down in turn, each on inputs through the quantized earlier ones
     true_sequential: bool = True
     # GPTQ, AWQ: the dtype the calibration forwards run in (block copies, activations; GPTQ's Hessians averaged in
@@ -99,6 +103,18 @@ class QuantRecipe:
             raise ValueError(f"QuantRecipe.awq_next_inputs must be quantized or float; got {self.awq_next_inputs!r}")
         if self.awq_rounding not in ("rtn", "gptq"):
             raise ValueError(f"QuantRecipe.awq_rounding must be rtn or gptq; got {self.awq_rounding!r}")
+        if self.gptaq_alpha < 0:
+            raise ValueError(f"QuantRecipe.gptaq_alpha must be >= 0 (0 = plain GPTQ, 0.25 = GPTAQ's); "
+                             f"got {self.gptaq_alpha}")
+        if self.gptaq_alpha > 0 and self.method != "gptq":
+            raise ValueError(f"QuantRecipe.gptaq_alpha (GPTAQ's asymmetric calibration) applies to method=gptq; this "
+                             f"recipe is method={self.method}: set gptaq_alpha=0 or method=gptq (AWQ's GPTQ rounding "
+                             f"quantizes a block's layers on its float sublayers' outputs, not true-sequentially, so "
+                             f"each layer would correct the same drift again)")
+        if self.gptaq_alpha > 0 and not self.true_sequential:
+            raise ValueError("QuantRecipe.gptaq_alpha needs true_sequential=true: each layer's correction assumes the "
+                             "layers before it in the block are already quantized (and corrected); with one stage, "
+                             "o, gate/up and down would correct the drift q,k,v already corrected")
         if self.calib_batch < 0:
             raise ValueError(f"QuantRecipe.calib_batch must be >= 0 (0 = all samples in one forward); "
                              f"got {self.calib_batch}")
