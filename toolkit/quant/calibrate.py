@@ -691,7 +691,8 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                 if float_pass:  # before any of the block is quantized: its layers' float inputs, its float outputs
                     with timer("block forwards, float pass (GPTAQ)"):
                         recorded, float_inputs = _float_pass(runner, float_inputs, kwargs, runner_linears)
-                    layer_quantizer.float_inputs = {id(lin): recorded[name] for linears in (per_block[i], runner_linears)
+                    layer_quantizer.float_inputs = {id(lin): recorded[name]
+                                                    for linears in (per_block[i], runner_linears)
                                                     for name, lin in linears.items()}
                     del recorded
 

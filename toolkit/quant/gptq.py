@@ -157,8 +157,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     `HessianAccumulator` with ``float_inputs``: the layer is fitted to the FLOAT model's output ``W x̃`` from the
     inputs ``x`` it really gets (through the quantized layers before it), not to ``W x``. Since
     ``|W X̃ - Q X|² = |W X̃ - W* X|² + |(W* - Q) X|²`` for the least-squares ``W* = W + W Δ H⁻¹``, that is GPTQ
-    run on ``W*`` with the same H; ``asym_alpha`` scales the correction (the paper's alpha, 0.25 by default:
-    the full step over-fits the calibration tokens). H is damped for the step exactly as for GPTQ's solve.
+    run on ``W*`` with the same H; ``asym_alpha`` scales the step (0.25 by default, the paper's; the recipes use
+    0.5: the full step scored worse on SmolLM2, README "GPTAQ"). H is damped for the step as for GPTQ's solve.
     Input channels with ``H[i, i] == 0`` never fire: their weights become 0.
 
     Returns the `QuantizedWeight` (codes/scale/zero in the ORIGINAL column order; with ``act_order`` a ``g_idx``

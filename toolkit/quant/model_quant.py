@@ -56,9 +56,10 @@ class QuantRecipe:
     block_size: int = 128
     # GPTQ and RTN: choose each group's range by the reference quantizer's MSE grid search (Quantizer(mse=True))
     mse: bool = False
-    # GPTQ: GPTAQ's asymmetric calibration (Li et al. 2025, GPTQModel's v2): fit each layer to the FLOAT model's output from the inputs it gets through the quantized
-    # layers before it; the correction's alpha (the paper's 0.25; 1 = the full least-squares step), 0 = off (plain
-    # GPTQ). Costs one float forward of each block more and its layers' float inputs in memory
+    # GPTQ: GPTAQ's asymmetric calibration (Li et al. 2025, GPTQModel's v2): fit each layer to the FLOAT model's
+    # output from the inputs it gets through the quantized layers before it; the step's weight alpha (the paper's
+    # 0.25; 1 = the full least-squares step), 0 = off (plain GPTQ). Costs one more float forward of each block and
+    # the block's float layer inputs in memory
     gptaq_alpha: float = 0.0
     # GPTQ: quantize a block's q,k,v | o | gate,up | down in turn, each on inputs through the quantized earlier ones
     true_sequential: bool = True
