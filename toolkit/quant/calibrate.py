@@ -671,7 +671,8 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
     if done < len(blocks):
         with timer("capture block 0 inputs"):
             inputs, block_kwargs = _capture(model, blocks, batches, device)
-        float_inputs = list(saved_float.split(1)) if saved_float is not None else inputs
+        # GPTAQ's float stream starts as block 0's inputs (or, resumed, where the float pass left it)
+        float_inputs = (list(saved_float.split(1)) if saved_float is not None else inputs) if float_pass else []
         if saved_inputs is not None:
             inputs = list(saved_inputs.split(1))
         if calib is not None:
