@@ -1,5 +1,6 @@
 """The native int4 decoder (toolkit/engine/native_decoder.py): an int4 Llama / Qwen2 stack in one C call gives the
-lean forward's logits within fp32 rounding; a row's logits do not depend on the rows fed beside it (bit for bit), so
+lean forward's logits within fp32 rounding (a float model's stack on bf16 products, engine.native_dot=bf16: within
+bf16 rounding); a row's logits do not depend on the rows fed beside it (bit for bit), so
 speculative greedy output with a native target is the target alone's; calls it cannot run (batches, quantized KV
 caches, bf16) take the torch path; `engine.forward=native` on a model it cannot run is a clear error."""
 
@@ -13,7 +14,7 @@ from toolkit.engine.lean_forward import LeanForward, install
 from toolkit.engine.native_decoder import NativeDecoder, library
 from toolkit.engine.precision import Precision, prepare_model
 from toolkit.errors import InputError
-from toolkit.quant import vnni
+from toolkit.quant import bf16_native, vnni
 
 pytestmark = pytest.mark.skipif(library() is None, reason="the native decoder is not built here (no C compiler, no "
                                                           "AVX2, or SPECQUANT_NO_KERNELS is set)")
@@ -47,12 +48,13 @@ def _act_order(model, group: int):
 
 
 @pytest.fixture(params=["llama-int4", "qwen2-int4", "llama-fp16", "qwen2-fp16", "wide-fp16", "wide-int4", "llama-int8",
-                        "wide-int8", "llama-int4ao", "wide-int4ao"])
+                        "wide-int8", "llama-int4ao", "wide-int4ao", "llama-bf16", "qwen2-bf16", "wide-bf16"])
 def native_model(request, tiny_llama_dir, tiny_qwen2, tiny_tokenizer):
     """int4: every decoder Linear an int4 QuantLinear on specquant's kernel (the int4 self-draft of an engine-prepared
     fp32 model: fp16 output head on fbgemm, whose products are row-independent too), under the lean forward. fp16: the
     engine-prepared float model itself (fp16 weights, fp32 activations: the engine default), whose fp16 products the
-    stack runs on specquant's fp16 kernel."""
+    stack runs on specquant's fp16 kernel. bf16: the same float model with its stack's products and head on the bf16
+    dot-product kernel (engine.native_dot=bf16)."""
     from transformers import AutoModelForCausalLM
 
     from toolkit.spec.self_draft import build_self_draft
@@ -81,6 +83,14 @@ def native_model(request, tiny_llama_dir, tiny_qwen2, tiny_tokenizer):
             assert layer.self_attn.specquant_qkv.in_perm is not None and layer.mlp.down_proj.in_perm is not None
     elif kind == "int8":  # int8 per-channel symmetric: specquant's int8 GEMM (an int8 checkpoint's layers)
         model = build_self_draft(target, bits=8, group_size=-1)
+    elif kind == "bf16":
+        if not bf16_native.available():
+            pytest.skip("bf16 products need the bf16 kernel (AVX512-BF16)")
+        model = target
+        model.forward.use_dot("bf16")
+        native = model.forward.native_decoder()
+        assert native is not None and native.head_kernel is bf16_native
+        assert native.half == 4 * model.config.num_hidden_layers
     else:
         model = target
     if model.forward.native_decoder() is None:
@@ -117,6 +127,11 @@ def test_native_logits_are_the_lean_forwards_within_fp32_rounding(native_model):
     else:
         assert native_model.forward.native_decoder().runs_prompts  # fp16: the C stack runs the prompt too
     first = 1 if native_model.specquant_test_kind in ("int4", "int8", "int4ao") else 0
+    if native_model.specquant_test_kind == "bf16":  # bf16 rounding of every product's inputs: close, not equal
+        for a, b in zip(native, torch_ops):
+            assert not torch.equal(a, b)
+            assert (a - b).abs().max() <= 0.03 * b.abs().max(), (a - b).abs().max() / b.abs().max()
+        return
     for a, b in zip(native[first:], torch_ops[first:]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -166,7 +181,12 @@ def test_the_kv_cache_holds_what_the_torch_path_would_have_written(native_model)
         caches.append(cache)
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert a.length == b.length == 14
-        assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
+        if native_model.specquant_test_kind == "bf16":  # bf16 rounding: within 2% of the largest
+            assert not torch.equal(a.keys, b.keys)
+            assert (a.keys - b.keys).abs().max() <= 0.02 * b.keys.abs().max()
+            assert (a.values - b.values).abs().max() <= 0.02 * b.values.abs().max()
+        else:
+            assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
 
 
 @pytest.mark.skipif(not vnni.available(), reason="int8 activations need the VNNI kernel (AVX512-VNNI)")

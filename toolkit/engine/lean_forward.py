@@ -489,6 +489,7 @@ class LeanForward:
         self.share_kv_heads = share_kv_heads  # sdpa on the CPU: sdpa_gqa (False: transformers' sdpa, for comparison)
         self.native = native  # int4 stacks run the native decoder where a call allows (toolkit/engine/native_decoder)
         self.native_activations = "fp32"  # "int8": its products on the w4a8 kernel (a draft's; `use_activations`)
+        self.native_dot = "fp32"  # "bf16": a float model's products on the bf16 dot-product kernel (`use_dot`)
         self._plan: tuple[tuple, list[_LayerPlan]] | None = None  # (what it was built for, the layers' plans)
         self._native = None  # the NativeDecoder of the current plan, or None
         self.native_reason = ""  # why the current plan has none
@@ -506,7 +507,7 @@ class LeanForward:
                 from toolkit.engine.native_decoder import NativeDecoder
 
                 self._native, self.native_reason = NativeDecoder.of(self.model, self._plan[1],
-                                                                    self.native_activations)
+                                                                    self.native_activations, self.native_dot)
         return self._plan[1]
 
     def use_activations(self, activations: str) -> None:
@@ -516,6 +517,16 @@ class LeanForward:
         if activations not in ACTIVATIONS:
             raise ValueError(f"native decoder activations must be one of {ACTIVATIONS}, got {activations!r}")
         self.native_activations = activations
+        self._plan = None
+
+    def use_dot(self, dot: str) -> None:
+        """A float model's native products from now on: "fp32" (fp16 weights x fp32 activations, the engine's
+        default) or "bf16" (weights and activations rounded to bf16, fp32 sums: `toolkit.quant.bf16_native`)."""
+        from toolkit.engine.native_decoder import DOTS
+
+        if dot not in DOTS:
+            raise ValueError(f"native decoder products must be one of {DOTS}, got {dot!r}")
+        self.native_dot = dot
         self._plan = None
 
     def native_decoder(self):

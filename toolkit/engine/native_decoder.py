@@ -50,16 +50,17 @@ import torch
 import torch.nn.functional as F
 
 from toolkit import cbuild
-from toolkit.quant import half_native, int4_native, int8_native, vnni
+from toolkit.quant import bf16_native, half_native, int4_native, int8_native, vnni
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "c" / "decoder_layers.c"
 FLAGS = [*int4_native.FLAGS, "-lm"]  # the int4 GEMM's flags (no FP contraction: row independence), and libm
 ACTIVATIONS = ("fp32", "int8")
+DOTS = ("fp32", "bf16")  # a float model's products: fp16 weights x fp32 (h16), or bf16 x bf16 summed in fp32 (b16)
 
 
-N8, W4A8, H16, I8 = 0, 1, 2, 3  # a product's kind (`_Q4.kind`), as decoder_layers.c dispatches it
+N8, W4A8, H16, I8, B16 = 0, 1, 2, 3, 4  # a product's kind (`_Q4.kind`), as decoder_layers.c dispatches it
 
 
 class _Q4(ctypes.Structure):
@@ -88,7 +89,8 @@ def load():
     """Build (once per source, flags and CPU) and load the library, or None with a warning."""
     lib = cbuild.load_library(SOURCE, "decoder-layers", list(FLAGS), "native decoder",
                               "models run the lean forward's torch operators", log,
-                              includes=(int4_native.SOURCE, int8_native.SOURCE, vnni.SOURCE, half_native.SOURCE))
+                              includes=(int4_native.SOURCE, int8_native.SOURCE, vnni.SOURCE, half_native.SOURCE,
+                                        bf16_native.SOURCE))
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -129,30 +131,34 @@ def _perm_ptr(in_perm, keep: list):
     return in_perm.data_ptr()
 
 
-def _h16_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], owner) -> tuple | None:
+def _h16_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], owner,
+              dot: str = "fp32") -> tuple | None:
     """(h16 pack, fp32 bias or None) of fp16 `weights` stacked along the output dim (their biases too), made once and
     kept on `owner` while it holds these very weights (plans are rebuilt often, packs once); None where the kernel is
-    unavailable or the layout cannot hold them."""
-    if not half_native.available() or any(w.dtype != torch.float16 for w in weights):
+    unavailable or the layout cannot hold them. `dot="bf16"`: the b16 pack of the same weights rounded to bf16
+    (`toolkit.quant.bf16_native`), kept beside it."""
+    kernel = bf16_native if dot == "bf16" else half_native
+    if not kernel.available() or any(w.dtype != torch.float16 for w in weights):
         return None
     n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
-    if not half_native.supports(n, k) or any(w.shape[1] != k for w in weights):
+    if not kernel.supports(n, k) or any(w.shape[1] != k for w in weights):
         return None
-    cached = getattr(owner, "specquant_h16", None)
+    attribute = "specquant_b16" if dot == "bf16" else "specquant_h16"
+    cached = getattr(owner, attribute, None)
     if cached is None or len(cached[0]) != len(weights) or any(a is not b for a, b in zip(cached[0], weights)):
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach().float() if b is not None else torch.zeros(w.shape[0])
                               for w, b in zip(weights, biases)]).contiguous()
-        packed = half_native.pack(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0])
+        packed = kernel.pack(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0])
         cached = (tuple(weights), packed, bias)
-        owner.specquant_h16 = cached
+        setattr(owner, attribute, cached)
     return cached[1], cached[2]
 
 
-def _half_product(pack, modules: list, owner, keep: list) -> _Q4 | None:
+def _half_product(pack, modules: list, owner, keep: list, dot: str = "fp32") -> _Q4 | None:
     """An fp16 product (engine precision fp16 weights, fp32 activations: fbgemm's fused pack or an fp16-stored
-    Linear on it) as an h16 product, or None."""
+    Linear on it) as an h16 product (`dot="bf16"`: a b16 product), or None."""
     from toolkit.engine.lean_forward import FusedPack
     from toolkit.engine.precision import HalfStorageLinear
 
@@ -162,13 +168,13 @@ def _half_product(pack, modules: list, owner, keep: list) -> _Q4 | None:
         return None
     if pack is None and getattr(modules[0], "fbgemm_fp16", None) is None:  # a fused pack took over its layers' own
         return None
-    made = _h16_pack([m.weight for m in modules], [m.bias for m in modules], owner)
+    made = _h16_pack([m.weight for m in modules], [m.bias for m in modules], owner, dot)
     if made is None:
         return None
     packed, bias = made
     keep += [t for t in made if t is not None]
     return _Q4(packed.data_ptr(), None, None, _ptr(bias), sum(m.weight.shape[0] for m in modules),
-               modules[0].weight.shape[1], 0, H16)
+               modules[0].weight.shape[1], 0, B16 if dot == "bf16" else H16)
 
 
 W4A8_MAX_ROWS = 2048
@@ -240,28 +246,30 @@ def _int8_products(plan, keep: list) -> tuple[_Q4, ...] | None:
     return tuple(products)
 
 
-def _half_products(plan, keep: list) -> tuple[_Q4, ...] | None:
+def _half_products(plan, keep: list, dot: str = "fp32") -> tuple[_Q4, ...] | None:
     """A layer's structs where all four products are fp16 on fbgemm (the packs made from the same fp16 weights),
-    else None. A draft's int8 activations do not apply: fp16 products stay fp32 (`ACTIVATIONS`)."""
+    else None. A draft's int8 activations do not apply: fp16 products stay fp32 (`ACTIVATIONS`). `dot="bf16"`: b16
+    products instead of h16 (`DOTS`)."""
     # each pack kept on one module: q,k,v's on the attention module, gate,up's on the gate layer, o's and down's on
     # themselves
-    products = (_half_product(plan.qkv, [plan.q, plan.k, plan.v], plan.attn, keep),
-                _half_product(None, [plan.o], plan.o, keep),
-                _half_product(plan.gate_up, [plan.gate, plan.up], plan.gate, keep),
-                _half_product(None, [plan.down], plan.down, keep))
+    products = (_half_product(plan.qkv, [plan.q, plan.k, plan.v], plan.attn, keep, dot),
+                _half_product(None, [plan.o], plan.o, keep, dot),
+                _half_product(plan.gate_up, [plan.gate, plan.up], plan.gate, keep, dot),
+                _half_product(None, [plan.down], plan.down, keep, dot))
     return None if any(p is None for p in products) else products
 
 
-def _head_pack(model) -> tuple | None:
+def _head_pack(model, dot: str = "fp32") -> tuple | None:
     """(h16 pack, fp32 bias or None) of an fp16 output head on fbgemm, run on specquant's fp16 kernel after the
     stack (as fast as fbgemm at a row, faster at a verify pass's few: SmolLM2's 49152 x 576 head 1639 against
-    1997 us at 5 rows, `python -m toolkit.quant.half_native`), or None: the head runs itself."""
+    1997 us at 5 rows, `python -m toolkit.quant.half_native`), or None: the head runs itself. `dot="bf16"`: its b16
+    pack (the stack's products and the head round alike)."""
     from toolkit.engine.precision import HalfStorageLinear
 
     head = model.get_output_embeddings()
     if type(head) is not HalfStorageLinear or getattr(head, "fbgemm_fp16", None) is None:
         return None
-    return _h16_pack([head.weight], [head.bias], head)
+    return _h16_pack([head.weight], [head.bias], head, dot)
 
 
 def _fp32(norm) -> torch.Tensor | None:
@@ -274,6 +282,7 @@ class NativeDecoder:
     one sequence's hidden states through every layer in one call."""
 
     head: tuple | None = None  # (h16 pack, bias) of the output head (`_head_pack`), or None: the head runs itself
+    head_kernel = half_native  # the head pack's kernel: half_native (h16) or bf16_native (b16, engine.native_dot=bf16)
 
     def __init__(self, layers: list, keep: list, dims: _Dims, max_rows: int, n_layers: int):
         self.layers = (_Layer * n_layers)(*layers)
@@ -282,7 +291,7 @@ class NativeDecoder:
         self.n_layers = n_layers
         kinds = [q.kind for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.w4a8 = kinds.count(W4A8)  # products on the w4a8 kernel (`of(..., activations="int8")`)
-        self.half = kinds.count(H16)  # fp16 products (a float model at the engine's default precision)
+        self.half = kinds.count(H16) + kinds.count(B16)  # a float model's fp16 products (h16 or b16 kernel)
         # the fp32 int4 GEMM loses to dequantize + F.linear from the packs' max_rows on; the w4a8 kernel (integer
         # dot products, 4x fp32's multiply-adds per instruction) wins at any row count, so a stack made only of
         # w4a8 products also runs a draft's prompt (W4A8_MAX_ROWS bounds its per-call scratch: scores H x M x M);
@@ -292,10 +301,11 @@ class NativeDecoder:
         self.max_rows = W4A8_MAX_ROWS if self.w4a8 == 4 * n_layers else max_rows
 
     @classmethod
-    def of(cls, model, plans, activations: str = "fp32") -> tuple[NativeDecoder | None, str]:
+    def of(cls, model, plans, activations: str = "fp32", dot: str = "fp32") -> tuple[NativeDecoder | None, str]:
         """The native stack for `model`'s layer plans, or (None, why not). `activations="int8"` (a draft's stack):
         the products run the w4a8 kernel where it is available and its layout holds them (`ACTIVATIONS`, checked
-        by `LeanForward.use_activations`)."""
+        by `LeanForward.use_activations`). `dot="bf16"`: a float model's products and head on the bf16 dot-product
+        kernel (`DOTS`; engine.native_dot)."""
         if library() is None:
             return None, "the native decoder did not build (no C compiler, no AVX2, or SPECQUANT_NO_KERNELS)"
         config = model.config
@@ -313,8 +323,12 @@ class NativeDecoder:
             if len(qkv.sizes) != 3 or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1]:
                 return None, "unexpected fused pack shapes"
             products = (_int4_products(plan, keep, activations) or _int8_products(plan, keep)
-                        or _half_products(plan, keep))
+                        or _half_products(plan, keep, dot))
             if products is None:
+                if dot == "bf16":
+                    return None, ("not every q,k,v / gate,up / o / down product is fp16 on fbgemm with specquant's "
+                                  "bf16 kernel available (AVX512-BF16) and an input width divisible by 32 "
+                                  "(engine.native_dot=bf16)")
                 return None, ("not every q,k,v / gate,up / o / down product is int4 or int8 on specquant's kernels or "
                               "fp16 on fbgemm with specquant's fp16 kernel available (AVX512F)")
             if plan.act is not F.silu:
@@ -333,7 +347,9 @@ class NativeDecoder:
             return None, "norms with different epsilons"
         dims = _Dims(config.hidden_size, heads, kv_heads, head_dim, plans[0].gate_up.sizes[0], 0, eps, attn.scaling)
         decoder = cls(layers, keep, dims, max_rows, len(plans))
-        decoder.head = _head_pack(model)
+        decoder.head = _head_pack(model, dot)
+        if dot == "bf16":
+            decoder.head_kernel = bf16_native
         return decoder, ""
 
     def applies(self, hidden: torch.Tensor, attention_mask, cache) -> bool:
@@ -357,13 +373,13 @@ class NativeDecoder:
         return first.length + rows <= first.max_length
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The output head over normed hidden states [B, M, d] on specquant's fp16 kernel where `head` is set (and
-        the rows fp32), else None: the head module runs."""
+        """The output head over normed hidden states [B, M, d] on specquant's fp16 (or bf16) kernel where `head` is
+        set (and the rows fp32), else None: the head module runs."""
         if self.head is None or hidden.dtype != torch.float32:
             return None
         packed, bias = self.head
         batch, rows, d = hidden.shape
-        return half_native.linear(hidden.reshape(batch * rows, d), packed, packed.numel() // d, bias).view(
+        return self.head_kernel.linear(hidden.reshape(batch * rows, d), packed, packed.numel() // d, bias).view(
             batch, rows, -1)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:

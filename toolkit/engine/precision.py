@@ -86,12 +86,14 @@ class Precision:
     compute: torch.dtype  # activations, KV cache, norms
     weights: torch.dtype  # stored Linear weights (and a tied embedding)
     prefill: str = "fp32"  # "bf16": prompt passes' products in bf16 (what prepare_model resolved; see bf16_prefill)
+    dot: str = "fp32"  # "bf16": the native stack's products on the bf16 dot-product kernel (engine.native_dot)
 
     @property
     def name(self) -> str:
         compute, weights = DTYPE_NAMES[self.compute], DTYPE_NAMES[self.weights]
         name = compute if compute == weights else f"{weights} w / {compute} a"  # weights / activations
-        return name + (", bf16 prefill" if self.prefill == "bf16" else "")
+        return (name + (", bf16 prefill" if self.prefill == "bf16" else "")
+                + (", bf16 native products" if self.dot == "bf16" else ""))
 
 
 def _dtype(name: str, key: str) -> torch.dtype:

@@ -1,5 +1,6 @@
 """Turn an `engine` config into a ready model: threads set, weights loaded and cast for the engine."""
 
+import dataclasses
 import os
 
 import torch
@@ -80,6 +81,29 @@ def load_quantized_model(path):
                        time.perf_counter() - start)
 
 
+def use_native_dot(model, dot: str) -> None:
+    """engine.native_dot: fp32 (default) keeps a float model's native stack on fp16 weights x fp32 activations; bf16
+    puts its products and output head on the bf16 dot-product kernel (`toolkit.quant.bf16_native`)."""
+    from toolkit.engine.lean_forward import LeanForward
+    from toolkit.engine.native_decoder import DOTS
+
+    if dot not in DOTS:
+        raise InputError(f"unknown engine.native_dot {dot!r}", f"use one of {', '.join(DOTS)}")
+    if dot == "fp32":
+        return
+    forward = model.__dict__.get("forward")
+    if not isinstance(forward, LeanForward) or not forward.native:
+        raise InputError("engine.native_dot=bf16 needs the native decoder stack, which this model does not run",
+                         "use engine.forward=auto or native, or engine.native_dot=fp32")
+    forward.use_dot(dot)
+    if forward.native_decoder() is None or forward.native_decoder().half == 0:
+        why = forward.native_reason or "not a float model"
+        raise InputError(f"engine.native_dot=bf16 cannot run this model: {why}",
+                         "use engine.native_dot=fp32 (quantized checkpoints run their own low-bit kernels), and a CPU "
+                         "with AVX512-BF16")
+    model.specquant_precision = dataclasses.replace(model.specquant_precision, dot=dot)
+
+
 def prepare_engine_model(model, engine_cfg) -> Precision:
     """Move and cast `model` (in place) as the engine config says; returns its precision."""
     if engine_cfg.device != "cpu" and not torch.cuda.is_available():
@@ -90,6 +114,7 @@ def prepare_engine_model(model, engine_cfg) -> Precision:
     prepare_model(model, precision, wide_copy=engine_cfg.get("wide_copy", "auto"), gemm=engine_cfg.get("gemm", "auto"),
                   prefill=engine_cfg.get("prefill_dtype", "fp32"))
     model.specquant_forward = install_forward(model, engine_cfg.get("forward", "auto"))
+    use_native_dot(model, engine_cfg.get("native_dot", "fp32"))
     if engine_cfg.get("compile"):
         compile_decode(model)
     return model.specquant_precision  # with what the prompt passes resolved to

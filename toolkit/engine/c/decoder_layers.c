@@ -6,7 +6,8 @@
  * Why: on SmolLM2-135M a decode step through torch spends most of its time around ~40 small operators per layer
  * (each a dispatch, an allocation, a thread fork), not in the weights. Here a layer is four GEMMs (int4 weights:
  * toolkit/quant/c/int4_gemm.c or vnni_gemm.c; int8 weights: int8_gemm.c; fp16 weights, a float model at the
- * engine's default precision: half_gemm.c; all included below) and a few loops over a few thousand floats.
+ * engine's default precision: half_gemm.c, or bf16_gemm.c under engine.native_dot=bf16; all included below) and a
+ * few loops over a few thousand floats.
  *
  * Exactness: the same model in fp32, not bit-identical to torch's operators (sums are taken in another order);
  * the Python side tests it against transformers' forward within fp32 rounding. What it guarantees instead is row
@@ -28,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_gemm.c"
 #include "half_gemm.c"
 #include "int4_gemm.c"
 #include "int8_gemm.c"
@@ -41,7 +43,8 @@ typedef struct {
     int64_t n, k, g;
     /* 0: an n8 pack, fp32 activations (int4_gemm.c); 1: a v16 pack, int8 activations (vnni_gemm.c);
      * 2: an h16 pack of fp16 weights in `codes` (half_gemm.c; scale, zero and g unused), fp32 activations;
-     * 3: int8 per-channel codes in the h16 order in `codes` and fp32 scales [n] (int8_gemm.c; zero and g unused) */
+     * 3: int8 per-channel codes in the h16 order in `codes` and fp32 scales [n] (int8_gemm.c; zero and g unused);
+     * 4: a b16 pack of bf16 weights in `codes` (bf16_gemm.c; scale, zero and g unused), activations rounded to bf16 */
     int64_t kind;
     /* NULL, or an act-order product's column order (QuantLinear.in_perm): column j reads input channel perm[j] */
     const int32_t *perm;
@@ -58,6 +61,7 @@ typedef struct {
 } sq_dims;
 
 static int q4_ordered(const sq_q4 *w, const float *x, int64_t M, float *y) {
+    if (w->kind == 4) return sq_b16_linear(x, M, w->k, (const uint16_t *)w->codes, w->bias, w->n, y);
     if (w->kind == 3) return sq_int8_linear(x, M, w->k, (const int8_t *)w->codes, w->scale, w->bias, w->n, y);
     if (w->kind == 2) return sq_f16_linear(x, M, w->k, (const uint16_t *)w->codes, w->bias, w->n, y);
     if (w->kind == 1) return sq_w4a8_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
@@ -77,12 +81,23 @@ static int q4(const sq_q4 *w, const float *x, int64_t M, float *y) {
     return q4_ordered(w, x, M, y);
 }
 
-/* y = w * (x * (1 / sqrt(mean(x^2) + eps))), per row; the sum of squares in fixed order */
+/* y = w * (x * (1 / sqrt(mean(x^2) + eps))), per row; the sum of squares in fixed order (16 lane sums, then the
+ * lanes: a scalar chain of d dependent adds cost ~0.9 ms of a 6-row SmolLM2 verify pass) */
 static void rms_norm(const float *x, const float *w, int64_t M, int64_t d, float eps, float *y) {
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * d;
+#ifdef __AVX512F__
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            const __mmask16 k = d - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - i)) - 1);
+            const __m512 v = _mm512_maskz_loadu_ps(k, xr + i);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        const float ss = _mm512_reduce_add_ps(acc);
+#else
         float ss = 0.f;
         for (int64_t i = 0; i < d; i++) ss += xr[i] * xr[i];
+#endif
         const float r = 1.f / sqrtf(ss / (float)d + eps);
         for (int64_t i = 0; i < d; i++) y[m * d + i] = w[i] * (xr[i] * r);
     }
@@ -185,25 +200,63 @@ static void attend(const float *q, const float *kb, const float *vb, int64_t len
 }
 
 #ifdef __AVX512F__
-/* `attend` for a head dim of C * 16 floats: the query and the weighted value sum held in C registers each, every key
- * and value read once as C vectors, explicit FMAs (the scalar loop above kept `out` in memory: a load, multiply, add
- * and store per 16 floats and key). Per row and head the same operations whatever M: rows stay independent. */
+/* lane j of the result = the sum of v[j]'s 16 lanes, for 16 vectors at once (a transposing tree: pairs of vectors
+ * within 128-bit chunks, then pairs of those, then across chunks). Every v[j] is summed in the same order whatever
+ * its position j, so a key's score does not depend on where its block starts. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 w[8], u[4];
+    for (int j = 0; j < 8; j++) /* chunk lanes [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2j], b = v[2j+1] */
+        w[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) /* chunk lane p: that chunk's sum of v[4j + p] */
+        u[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* chunk c: the chunks of u[c] summed, lane p = v[4c + p] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* `attend` for a head dim of C * 16 floats. Scores 16 keys at a time: each key's q.k as C FMAs into one vector, the
+ * 16 vectors reduced together by `sum16` (a horizontal sum per key was most of the attention's time); the softmax's
+ * max and sum in vectors; the weighted value sum held in C registers, every value read once. Per row and head the
+ * same operations whatever M: rows stay independent. */
 static inline __attribute__((always_inline)) void attend_zmm(const float *q, const float *kb, const float *vb,
                                                              int64_t len, float scaling, float *p, float *out,
                                                              const int C) {
     __m512 qv[8], acc[8];
     for (int i = 0; i < C; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < len; t++) {
-        const float *k = kb + t * 16 * C;
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-        for (int i = 1; i < C; i++) a = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), a);
-        p[t] = _mm512_reduce_add_ps(a) * scaling;
-        if (p[t] > mx) mx = p[t];
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    const __m512 sc = _mm512_set1_ps(scaling);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t nk = len - t0 < 16 ? len - t0 : 16;
+        __m512 v[16];
+        for (int u = 0; u < 16; u++) {
+            if (u < nk) {
+                const float *k = kb + (t0 + u) * 16 * C;
+                __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                for (int i = 1; i < C; i++) a = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), a);
+                v[u] = a;
+            } else {
+                v[u] = _mm512_setzero_ps();
+            }
+        }
+        const __mmask16 m = tail_mask(nk);
+        const __m512 s = _mm512_mul_ps(sum16(v), sc);
+        _mm512_mask_storeu_ps(p + t0, m, s);
+        mx = _mm512_mask_max_ps(mx, m, mx, s);
     }
-    exp_shifted(p, len, mx);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; t++) sum += p[t];
+    const float top = _mm512_reduce_max_ps(mx);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 m = tail_mask(len - t);
+        const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + t), _mm512_set1_ps(top)));
+        _mm512_mask_storeu_ps(p + t, m, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+    }
+    const float sum = _mm512_reduce_add_ps(total);
     for (int i = 0; i < C; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
         const __m512 w = _mm512_set1_ps(p[t]);

@@ -1,0 +1,146 @@
+"""specquant's bf16 dot-product GEMM for x86 CPUs with AVX512-BF16 (toolkit/quant/c/bf16_gemm.c): weights stored in
+bf16, each row of fp32 activations rounded to bf16, products summed in fp32 by vdpbf16ps; built on first use
+(`toolkit.cbuild`).
+
+Why: the native decoder stack's fp16 products (`toolkit.quant.half_native`) widen the weights and multiply at the
+fp32 FMA rate. A one-row decode step is bound by the bytes it reads either way, but a speculative verify pass of
+6-12 rows is bound by that arithmetic (SmolLM2: a 6-row pass ~1.2-1.6 one-row steps, 12 rows ~2-3), and vdpbf16ps
+does two multiply-adds per lane and instruction. `engine.native_dot=bf16` puts a float model's native stack (and its
+output head) on this kernel: the arithmetic of a bf16 model (bf16 weights and activations into every product, fp32
+sums, norms, attention and KV cache), for decode steps and verify passes alike, so speculative greedy output stays
+token-identical to the same engine without speculation. It is not the fp16-weight model's arithmetic: logits move by
+bf16 rounding (README, "bf16 products on the native stack"). `python -m toolkit.quant.bf16_native` times it beside
+the fp16 kernel.
+
+Packed layout "b16" (made by `pack`): output channels in blocks of 16, blocks in tiles of 4 (the last tile may hold
+fewer, nt), each tile stored in the order the kernel reads it: ``w`` bf16 [N*K], tile t at element t*64*K, ordered
+[K/2, nt, 16, 2], element (p, b, j, e) = W[16(4t+b)+j, 2p+e]. One 64-byte load is 16 output channels x 2 input
+columns, a vdpbf16ps operand; a thread's tiles are one sequential stream.
+
+Constraints: N % 16 == 0, K % 32 == 0. Rows are independent: each row's activations are rounded on their own and a
+row's sums run in the same order whatever the number of rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from toolkit import cbuild
+from toolkit.quant import int4_native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "c" / "bf16_gemm.c"
+FLAGS = int4_native.FLAGS  # -ffp-contract=off among them
+BLOCK_N = 16
+TILE = 4
+K_MULTIPLE = 32  # the kernel rounds activations 32 columns at a time
+
+
+def load(flags: tuple[str, ...] = tuple(FLAGS)):
+    """Build (once per source, flags and CPU) and load the library; None where it cannot be built or the CPU lacks
+    AVX512-BF16 (the function then returns 2)."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return cbuild.load_kernel(SOURCE, "bf16-gemm", list(flags), "bf16 dot-product GEMM kernel",
+                              "engine.native_dot=bf16 is unavailable", log,
+                              {"sq_b16_linear": [p, i64, i64, p, p, i64, p]}, _self_test)
+
+
+def _self_test(lib) -> str | None:
+    x, y = torch.ones(1, 32), torch.empty(1, 16)
+    w = pack(torch.ones(16, 32))
+    rc = lib.sq_b16_linear(x.data_ptr(), 1, 32, w.data_ptr(), None, 16, y.data_ptr())
+    if rc == 0 and torch.equal(y, torch.full((1, 16), 32.0)):
+        return None
+    return f"rc {rc}; it needs AVX512-BF16" if rc == 2 else f"rc {rc}"
+
+
+@lru_cache(maxsize=1)
+def kernel():
+    """The loaded library (function ``sq_b16_linear``), or None: see `load`."""
+    return load()
+
+
+def available() -> bool:
+    return kernel() is not None
+
+
+def supports(n: int, k: int) -> bool:
+    return n % BLOCK_N == 0 and k > 0 and k % K_MULTIPLE == 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The b16 pack (see the module docstring) of an [N, K] weight, as bf16 (its values rounded to bf16)."""
+    n, k = weight.shape
+    if not supports(n, k):
+        raise ValueError(f"the b16 layout needs N % {BLOCK_N} == 0 and K % {K_MULTIPLE} == 0, got a {n}x{k} weight")
+    w, step = weight.detach().to(torch.bfloat16), BLOCK_N * TILE
+    parts = []
+    for n0 in range(0, n, step):
+        tile = w[n0:n0 + step]
+        blocks = tile.shape[0] // BLOCK_N
+        parts.append(tile.reshape(blocks, BLOCK_N, k // 2, 2).permute(2, 0, 1, 3).reshape(-1))
+    return torch.cat(parts).contiguous()
+
+
+def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [N, K] bf16 weight a b16 pack holds (tests, and reading a pack back)."""
+    step, rows = BLOCK_N * TILE, []
+    for n0 in range(0, n, step):
+        blocks = min(step, n - n0) // BLOCK_N
+        tile = packed[n0 * k:(n0 + blocks * BLOCK_N) * k].view(k // 2, blocks, BLOCK_N, 2)
+        rows.append(tile.permute(1, 2, 0, 3).reshape(blocks * BLOCK_N, k))
+    return torch.cat(rows)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T (+ bias, fp32) for W's b16 pack, x rounded to bf16 per row: [M, n] fp32."""
+    x = x.contiguous()
+    m, k = x.shape
+    if x.dtype != torch.float32 or packed.numel() != n * k:
+        raise ValueError(f"expected fp32 rows of {packed.numel() // max(n, 1)} columns, got {tuple(x.shape)} {x.dtype}")
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    rc = kernel().sq_b16_linear(x.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n,
+                                y.data_ptr())
+    if rc:
+        raise RuntimeError(f"the bf16 GEMM kernel failed (rc {rc})")
+    return y
+
+
+def _bench() -> None:
+    """This kernel against specquant's fp16 kernel on SmolLM2's shapes, weights rotated through copies beyond the
+    caches (median us of 30 calls, alternating)."""
+    import statistics
+    import time
+
+    from toolkit.quant import half_native
+
+    print(f"{'shape':>12} {'rows':>5} {'fp16 (h16)':>11} {'bf16 (b16)':>11}")
+    for n, k in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).mul_(0.05).half()
+        copies = max(2, int(96e6 // (n * k * 2)))
+        halves = [half_native.pack(w) for _ in range(copies)]
+        ours = [pack(w) for _ in range(copies)]
+        for m in (1, 6, 9, 12):
+            x = torch.randn(m, k)
+            times = {"h16": [], "b16": []}
+            for i in range(30):
+                start = time.perf_counter()
+                half_native.linear(x, halves[i % copies], n)
+                times["h16"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                linear(x, ours[(i + copies // 2) % copies], n)
+                times["b16"].append(time.perf_counter() - start)
+            a, b = (statistics.median(times[key]) * 1e6 for key in ("h16", "b16"))
+            print(f"{f'{n}x{k}':>12} {m:>5} {a:>8.0f} us {b:>8.0f} us")
+
+
+if __name__ == "__main__":
+    if not available():
+        raise SystemExit("the bf16 GEMM kernel is not available here (no compiler or no AVX512-BF16)")
+    _bench()
