@@ -67,6 +67,11 @@ def test_engine_native_dot_is_checked(tiny_llama_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prepare_model(model, Precision(torch.float32, torch.float16), gemm="fbgemm")
     install(model)
+    from toolkit.spec.self_draft import build_self_draft
+
+    draft = build_self_draft(model, bits=4, group_size=32)  # low-bit layers: they keep their kernels, no error
+    use_native_dot(draft, "bf16")
+    assert draft.forward.native_dot == "fp32" and draft.forward.native_decoder().half == 0
     use_native_dot(model, "bf16")
     assert model.specquant_precision.dot == "bf16" and "bf16 native products" in model.specquant_precision.name
     assert model.forward.native_decoder().head_kernel is bf16_native

@@ -1,6 +1,7 @@
 """Turn an `engine` config into a ready model: threads set, weights loaded and cast for the engine."""
 
 import dataclasses
+import logging
 import os
 
 import torch
@@ -8,6 +9,8 @@ import torch
 from toolkit.engine.lean_forward import install as install_forward
 from toolkit.engine.precision import Precision, prepare_model, resolve_precision
 from toolkit.errors import InputError, ModelError
+
+log = logging.getLogger(__name__)
 
 
 def configure_threads(threads: int | None) -> int:
@@ -83,7 +86,9 @@ def load_quantized_model(path):
 
 def use_native_dot(model, dot: str) -> None:
     """engine.native_dot: fp32 (default) keeps a float model's native stack on fp16 weights x fp32 activations; bf16
-    puts its products and output head on the bf16 dot-product kernel (`toolkit.quant.bf16_native`)."""
+    puts its products and output head on the bf16 dot-product kernel (`toolkit.quant.bf16_native`). A model whose
+    stack runs low-bit layers (a quantized checkpoint, e.g. a draft loaded beside a bf16 target) keeps its own kernels
+    and its fp32 setting; a model the native stack cannot run at all is an error."""
     from toolkit.engine.lean_forward import LeanForward
     from toolkit.engine.native_decoder import DOTS
 
@@ -92,15 +97,19 @@ def use_native_dot(model, dot: str) -> None:
     if dot == "fp32":
         return
     forward = model.__dict__.get("forward")
+    if isinstance(forward, LeanForward) and forward.native and forward.native_decoder() is not None \
+            and forward.native_decoder().half == 0:
+        log.info("engine.native_dot=bf16: this model's native stack runs low-bit layers, which keep their kernels")
+        return
     if not isinstance(forward, LeanForward) or not forward.native:
         raise InputError("engine.native_dot=bf16 needs the native decoder stack, which this model does not run",
                          "use engine.forward=auto or native, or engine.native_dot=fp32")
     forward.use_dot(dot)
-    if forward.native_decoder() is None or forward.native_decoder().half == 0:
-        why = forward.native_reason or "not a float model"
+    if forward.native_decoder() is None:
+        why = forward.native_reason
+        forward.use_dot("fp32")
         raise InputError(f"engine.native_dot=bf16 cannot run this model: {why}",
-                         "use engine.native_dot=fp32 (quantized checkpoints run their own low-bit kernels), and a CPU "
-                         "with AVX512-BF16")
+                         "use engine.native_dot=fp32, or a CPU with AVX512-BF16")
     model.specquant_precision = dataclasses.replace(model.specquant_precision, dot=dot)
 
 
