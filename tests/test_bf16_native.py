@@ -75,3 +75,5 @@ def test_engine_native_dot_is_checked(tiny_llama_dir):
     use_native_dot(model, "bf16")
     assert model.specquant_precision.dot == "bf16" and "bf16 native products" in model.specquant_precision.name
     assert model.forward.native_decoder().head_kernel is bf16_native
+    down = model.model.layers[0].mlp.down_proj  # the fp16 kernel's pack of the same weight is dropped, not kept
+    assert hasattr(down, "specquant_b16") and not hasattr(down, "specquant_h16")

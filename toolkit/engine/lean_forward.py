@@ -656,3 +656,4 @@ def rebind(copy_of_model) -> None:
     if isinstance(forward, LeanForward):
         fuse_projections(copy_of_model)  # its own layers (a self-draft's int4 copies) get packs of their own
         copy_of_model.forward = LeanForward(copy_of_model, forward.share_kv_heads, forward.native)
+        copy_of_model.forward.native_dot = forward.native_dot  # shared float layers (the head) keep one pack

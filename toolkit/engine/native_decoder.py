@@ -153,6 +153,10 @@ def _h16_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], ow
         packed = kernel.pack(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0])
         cached = (tuple(weights), packed, bias)
         setattr(owner, attribute, cached)
+        # one setting runs at a time: the other setting's pack (a second copy of the weights) goes
+        other = "specquant_h16" if dot == "bf16" else "specquant_b16"
+        if hasattr(owner, other):
+            delattr(owner, other)
     return cached[1], cached[2]
 
 
