@@ -17,8 +17,9 @@ When it runs (`NativeDecoder.applies`; anything else takes the lean forward's to
   QuantLinear layers on specquant's int8 GEMM (an int8 per-channel checkpoint), or all four are fp16 products on
   fbgemm (fused `FusedPack`s and fp16-stored `HalfStorageLinear`s: the engine's default float precision on x86),
   which the stack runs from h16 packs of the same fp16 weights (made once per layer and kept on it: a second fp16
-  copy of the decoder's weights, 212 MB for SmolLM2) where the CPU has AVX512F; its norms RMSNorms, its activation
-  SiLU, full rotary (no partial rotary, no sliding windows: what the lean forward already requires);
+  copy of the decoder's weights, 212 MB for SmolLM2) where the CPU has AVX512F (`engine.native_dot=bf16`: b16 packs
+  of the weights rounded to bf16 instead, on `toolkit.quant.bf16_native`, AVX512-BF16); its norms RMSNorms, its
+  activation SiLU, full rotary (no partial rotary, no sliding windows: what the lean forward already requires);
 - activations and KV cache in fp32, one sequence (batch 1, no padding mask), the cache a `ContiguousKVCache`
   already holding the prompt (the quantized and paged caches take the torch path), fewer new rows than the
   packs' `max_rows` (decode, verify passes, short prompts). A stack whose products all run w4a8 (below) also runs
@@ -136,7 +137,7 @@ def _h16_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], ow
     """(h16 pack, fp32 bias or None) of fp16 `weights` stacked along the output dim (their biases too), made once and
     kept on `owner` while it holds these very weights (plans are rebuilt often, packs once); None where the kernel is
     unavailable or the layout cannot hold them. `dot="bf16"`: the b16 pack of the same weights rounded to bf16
-    (`toolkit.quant.bf16_native`), kept beside it."""
+    (`toolkit.quant.bf16_native`) instead; an owner keeps one of the two."""
     kernel = bf16_native if dot == "bf16" else half_native
     if not kernel.available() or any(w.dtype != torch.float16 for w in weights):
         return None
