@@ -327,3 +327,29 @@ def test_a_module_swapped_after_a_lean_pass_is_the_one_that_runs(float_model):
     assert not torch.equal(lean, before)
     assert torch.equal(lean, fresh)
     torch.testing.assert_close(lean, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("theta", [10000.0, 100000.0])  # SmolLM2's and Qwen2.5's rope_theta among them
+def test_the_rotary_table_gives_the_modules_own_cos_and_sin_bit_for_bit(theta):
+    """The lean forward reads cos, sin from a table the rotary module made once (`_rotary`): every row equals what a
+    call for that position returns, before and after the table grows, whatever the other positions in the call."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from toolkit.engine.lean_forward import _rotary
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=theta, max_position_embeddings=8192)
+    rotary = LlamaRotaryEmbedding(config)
+    hidden = torch.zeros(1, 1, 256)
+    generator = torch.Generator().manual_seed(0)
+    for positions in ([[0, 1, 2, 3, 4]], [[127]], torch.randint(0, 1024, (1, 9), generator=generator).tolist(),
+                      [[1023, 1024, 1025]], torch.randint(0, 5000, (2, 7), generator=generator).tolist()):
+        position_ids = torch.tensor(positions)
+        cos, sin = _rotary(rotary, hidden, position_ids)
+        want_cos, want_sin = rotary(hidden, position_ids=position_ids)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+        for row in range(position_ids.shape[0]):  # and one position at a time, as a decode step asks
+            for j, p in enumerate(positions[row]):
+                one_cos, one_sin = rotary(hidden, position_ids=torch.tensor([[p]]))
+                assert torch.equal(cos[row, j], one_cos[0, 0]) and torch.equal(sin[row, j], one_sin[0, 0])
+    assert rotary.specquant_table[0].shape[0] == 8192  # grown by doubling past 4999

@@ -244,9 +244,9 @@ class ModelDraft:
         if any(drafting):
             logits = self._fit_vocab(state.feed(first, logits=1)[:, -1].float())
             while True:
-                q = probabilities(logits, self.sampling)
-                chosen = (logits.argmax(-1) if self.sampling.greedy
-                          else torch.multinomial(q, 1, generator=self.generator).squeeze(-1))
+                greedy = self.sampling.greedy  # a greedy round never reads q (the draft is then one-hot)
+                q = None if greedy else probabilities(logits, self.sampling)
+                chosen = logits.argmax(-1) if greedy else torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
                 if self.subset is not None:  # subset columns -> token ids; q over the target's vocabulary
                     ids = self.subset.vocab_ids
                     chosen = ids[chosen]
@@ -262,7 +262,8 @@ class ModelDraft:
                         drafting[i] = False  # the first token is always drafted: a round costs a target pass anyway
                         continue
                     tokens[i].append(int(chosen[i]))
-                    probs[i].append(q[i])
+                    if q is not None:
+                        probs[i].append(q[i])
                     if len(tokens[i]) == k:
                         drafting[i] = False
                 if not any(drafting):
