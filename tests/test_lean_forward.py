@@ -353,3 +353,6 @@ def test_the_rotary_table_gives_the_modules_own_cos_and_sin_bit_for_bit(theta):
                 one_cos, one_sin = rotary(hidden, position_ids=torch.tensor([[p]]))
                 assert torch.equal(cos[row, j], one_cos[0, 0]) and torch.equal(sin[row, j], one_sin[0, 0])
     assert rotary.specquant_table[0].shape[0] == 8192  # grown by doubling past 4999
+    negative = torch.tensor([[-1, 0, 1]])  # not a row of the table: the module's own values
+    assert all(torch.equal(a, b) for a, b in zip(_rotary(rotary, hidden, negative),
+                                                  rotary(hidden, position_ids=negative)))

@@ -483,10 +483,13 @@ def _rotary(rotary, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[t
     grown by doubling), for the plain rotary ("default" rope type, CPU): its forward is elementwise in the position
     (position * inv_freq, then cos and sin), so a row of the table is bit for bit what a call for that position
     returns (tested), and a decode step indexes two rows instead of running ~8 small operators (~0.07 ms a call,
-    paid by every drafted token). Any other rope type, or device, calls the module."""
-    if getattr(rotary, "rope_type", None) != "default" or hidden.device.type != "cpu":
+    paid by every drafted token). Any other rope type, or device, or a negative position calls the module."""
+    if getattr(rotary, "rope_type", None) != "default" or hidden.device.type != "cpu" or not position_ids.numel():
         return rotary(hidden, position_ids=position_ids)
-    need = int(position_ids.max()) + 1 if position_ids.numel() else 1
+    low, high = torch.aminmax(position_ids)
+    if int(low) < 0:  # an index would wrap around the table: no such position is ever asked of it
+        return rotary(hidden, position_ids=position_ids)
+    need = int(high) + 1
     table = getattr(rotary, "specquant_table", None)
     if table is None or table[0].shape[0] < need or table[0].dtype != hidden.dtype:
         size = max(1024, 1 << (need - 1).bit_length())
