@@ -91,6 +91,14 @@ def load_library(source: Path, stem: str, flags: list[str], what: str, fallback:
         return None
 
 
+def self_test_verdict(rc: int, correct: bool, needs: str) -> str | None:
+    """What a kernel module's self-test returns: None when the kernel gave the known product (`correct`, status 0),
+    else why not -- status 2 means the CPU lacks `needs`, the instructions the kernel was written for."""
+    if rc == 0 and correct:
+        return None
+    return f"rc {rc}; it needs {needs}" if rc == 2 else f"rc {rc}"
+
+
 def load_kernel(source: Path, stem: str, flags: list[str], what: str, fallback: str, log: logging.Logger,
                 signatures: dict[str, list], self_test, includes: tuple[Path, ...] = ()):
     """`load_library`, then each named function's ctypes argument types (all return an int status), then

@@ -132,7 +132,7 @@ def _perm_ptr(in_perm, keep: list):
     return in_perm.data_ptr()
 
 
-def _h16_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], owner,
+def _half_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], owner,
               dot: str = "fp32") -> tuple | None:
     """(h16 pack, fp32 bias or None) of fp16 `weights` stacked along the output dim (their biases too), made once and
     kept on `owner` while it holds these very weights (plans are rebuilt often, packs once); None where the kernel is
@@ -173,7 +173,7 @@ def _half_product(pack, modules: list, owner, keep: list, dot: str = "fp32") -> 
         return None
     if pack is None and getattr(modules[0], "fbgemm_fp16", None) is None:  # a fused pack took over its layers' own
         return None
-    made = _h16_pack([m.weight for m in modules], [m.bias for m in modules], owner, dot)
+    made = _half_pack([m.weight for m in modules], [m.bias for m in modules], owner, dot)
     if made is None:
         return None
     packed, bias = made
@@ -274,7 +274,7 @@ def _head_pack(model, dot: str = "fp32") -> tuple | None:
     head = model.get_output_embeddings()
     if type(head) is not HalfStorageLinear or getattr(head, "fbgemm_fp16", None) is None:
         return None
-    return _h16_pack([head.weight], [head.bias], head, dot)
+    return _half_pack([head.weight], [head.bias], head, dot)
 
 
 def _fp32(norm) -> torch.Tensor | None:

@@ -97,13 +97,13 @@ def use_native_dot(model, dot: str) -> None:
     if dot == "fp32":
         return
     forward = model.__dict__.get("forward")
-    if isinstance(forward, LeanForward) and forward.native and forward.native_decoder() is not None \
-            and forward.native_decoder().half == 0:
-        log.info("engine.native_dot=bf16: this model's native stack runs low-bit layers, which keep their kernels")
-        return
     if not isinstance(forward, LeanForward) or not forward.native:
         raise InputError("engine.native_dot=bf16 needs the native decoder stack, which this model does not run",
                          "use engine.forward=auto or native, or engine.native_dot=fp32")
+    native = forward.native_decoder()
+    if native is not None and native.half == 0:
+        log.info("engine.native_dot=bf16: this model's native stack runs low-bit layers, which keep their kernels")
+        return
     forward.use_dot(dot)
     if forward.native_decoder() is None:
         why = forward.native_reason

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from toolkit import cbuild
-from toolkit.quant import int4_native
+from toolkit.quant import half_native, int4_native
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,7 @@ def _self_test(lib) -> str | None:
     x, y = torch.ones(1, 32), torch.empty(1, 16)
     w = pack(torch.ones(16, 32))
     rc = lib.sq_b16_linear(x.data_ptr(), 1, 32, w.data_ptr(), None, 16, y.data_ptr())
-    if rc == 0 and torch.equal(y, torch.full((1, 16), 32.0)):
-        return None
-    return f"rc {rc}; it needs AVX512-BF16" if rc == 2 else f"rc {rc}"
+    return cbuild.self_test_verdict(rc, torch.equal(y, torch.full((1, 16), 32.0)), "AVX512-BF16")
 
 
 @lru_cache(maxsize=1)
@@ -100,16 +98,7 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 @ W.T (+ bias, fp32) for W's b16 pack, x rounded to bf16 per row: [M, n] fp32."""
-    x = x.contiguous()
-    m, k = x.shape
-    if x.dtype != torch.float32 or packed.numel() != n * k:
-        raise ValueError(f"expected fp32 rows of {packed.numel() // max(n, 1)} columns, got {tuple(x.shape)} {x.dtype}")
-    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    rc = kernel().sq_b16_linear(x.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n,
-                                y.data_ptr())
-    if rc:
-        raise RuntimeError(f"the bf16 GEMM kernel failed (rc {rc})")
-    return y
+    return half_native.call(kernel().sq_b16_linear, "bf16", x, packed, n, bias)
 
 
 def _bench() -> None:
@@ -117,8 +106,6 @@ def _bench() -> None:
     caches (median us of 30 calls, alternating)."""
     import statistics
     import time
-
-    from toolkit.quant import half_native
 
     print(f"{'shape':>12} {'rows':>5} {'fp16 (h16)':>11} {'bf16 (b16)':>11}")
     for n, k in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:

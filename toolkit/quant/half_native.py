@@ -50,9 +50,7 @@ def _self_test(lib) -> str | None:
     x, y = torch.ones(1, 8), torch.empty(1, 16)
     w = pack(torch.ones(16, 8, dtype=torch.float16))
     rc = lib.sq_f16_linear(x.data_ptr(), 1, 8, w.data_ptr(), None, 16, y.data_ptr())
-    if rc == 0 and torch.equal(y, torch.full((1, 16), 8.0)):
-        return None
-    return f"rc {rc}; it needs AVX512F" if rc == 2 else f"rc {rc}"
+    return cbuild.self_test_verdict(rc, torch.equal(y, torch.full((1, 16), 8.0)), "AVX512F")
 
 
 @lru_cache(maxsize=1)
@@ -105,18 +103,24 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return tile(weight.to(torch.float16))
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 @ W.T (+ bias, fp32) for W's h16 pack: [M, n] fp32."""
+def call(function, what: str, x: torch.Tensor, packed: torch.Tensor, n: int,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T (+ bias, fp32) through `function`, a kernel with this module's signature (x, M, K, flat
+    pack, bias, N, y): [M, n] fp32. The fp16 kernel here and the bf16 one (`toolkit.quant.bf16_native`) share it."""
     x = x.contiguous()
     m, k = x.shape
     if x.dtype != torch.float32 or packed.numel() != n * k:
         raise ValueError(f"expected fp32 rows of {packed.numel() // max(n, 1)} columns, got {tuple(x.shape)} {x.dtype}")
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    rc = kernel().sq_f16_linear(x.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n,
-                                y.data_ptr())
+    rc = function(x.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n, y.data_ptr())
     if rc:
-        raise RuntimeError(f"the fp16 GEMM kernel failed (rc {rc})")
+        raise RuntimeError(f"the {what} GEMM kernel failed (rc {rc})")
     return y
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T (+ bias, fp32) for W's h16 pack: [M, n] fp32."""
+    return call(kernel().sq_f16_linear, "fp16", x, packed, n, bias)
 
 
 def _bench() -> None:

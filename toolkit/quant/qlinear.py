@@ -29,7 +29,8 @@ zero points, and the bias, all as buffers. Which path a layer runs is recorded i
   ``g_idx`` whose groups are not of one size, non-CPU devices: the CUDA tinygemm packing is not implemented here).
   Codes are stored as ``uint8``: 4 bits two per byte (`pack_int4_rows`, low nibble first), 2 bits four per byte
   (code ``4j+i`` in bits ``2i..2i+1`` of byte ``j``), 3 and 8 bits one code per byte (3-bit packing would save
-  5/8 of the bytes but needs a bit stream that straddles bytes; not done). Odd widths that do not divide fall back to one code per byte.
+  5/8 of the bytes but needs a bit stream that straddles bytes; not done). Odd widths that do not divide fall back
+  to one code per byte.
   forward dequantizes block by block (output rows, ~16 MB of float per block) into the compute dtype and runs
   ``F.linear``.
 

@@ -67,9 +67,7 @@ def _self_test(lib) -> str | None:
     codes, scale, zero = pack(torch.ones(16, 16, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 16)
     rc = lib.sq_w4a8_linear(x.data_ptr(), 1, 16, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), None, 16,
                             16, y.data_ptr())
-    if rc == 0 and torch.allclose(y, torch.full((1, 16), 16.0)):
-        return None
-    return f"rc {rc}; it needs AVX512-VNNI" if rc == 2 else f"rc {rc}"
+    return cbuild.self_test_verdict(rc, torch.allclose(y, torch.full((1, 16), 16.0)), "AVX512-VNNI")
 
 
 @lru_cache(maxsize=1)

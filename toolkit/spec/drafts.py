@@ -241,16 +241,16 @@ class ModelDraft:
         probs = [[] for _ in range(batch)]
         drafting = [a and k > 0 for a in active]
         steps = 0
+        greedy = self.sampling.greedy  # a greedy round never reads q (the draft is then one-hot)
         if any(drafting):
             logits = self._fit_vocab(state.feed(first, logits=1)[:, -1].float())
             while True:
-                greedy = self.sampling.greedy  # a greedy round never reads q (the draft is then one-hot)
                 q = None if greedy else probabilities(logits, self.sampling)
                 chosen = logits.argmax(-1) if greedy else torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
                 if self.subset is not None:  # subset columns -> token ids; q over the target's vocabulary
                     ids = self.subset.vocab_ids
                     chosen = ids[chosen]
-                    if not self.sampling.greedy:
+                    if not greedy:
                         vocab = self.target_vocab or self.subset.source.shape[0]
                         q = q.new_zeros(q.shape[0], vocab).index_copy_(1, ids, q)
                 confidence = logits.softmax(-1).amax(-1) if self.min_confidence > 0 else None
@@ -270,7 +270,7 @@ class ModelDraft:
                     break
                 logits = self._fit_vocab(state.feed([[int(t)] for t in chosen], logits=1)[:, -1].float())
         self._round = (contexts, catch_up, steps, active)
-        q_out = [torch.stack(p) if p and not self.sampling.greedy else None for p in probs]
+        q_out = [torch.stack(p) if p and not greedy else None for p in probs]
         return tokens, q_out
 
     def accept(self, accepted) -> None:

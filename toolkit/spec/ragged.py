@@ -115,8 +115,7 @@ class RaggedBatch:
         real token, the round marked there."""
         if self.batch != 1 or self.cache.length != length:
             raise ValueError(f"reset_to({length}) needs one sequence and a cache of that length")
-        self.mask = torch.ones(1, length, dtype=torch.long, device=self.mask.device)
-        self.counts = torch.full_like(self.counts, length)
+        self.counts = torch.full_like(self.counts, length)  # (one sequence keeps no mask: `_feed_one`)
         self.mark()
 
     def keep(self, kept: list[int]) -> None:

@@ -81,6 +81,13 @@ static int q4(const sq_q4 *w, const float *x, int64_t M, float *y) {
     return q4_ordered(w, x, M, y);
 }
 
+#ifdef __AVX512F__
+/* the first `left` of 16 lanes (all 16 from 16 on) */
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+#endif
+
 /* y = w * (x * (1 / sqrt(mean(x^2) + eps))), per row; the sum of squares in fixed order (16 lane sums, then the
  * lanes: a scalar chain of d dependent adds cost ~0.9 ms of a 6-row SmolLM2 verify pass) */
 static void rms_norm(const float *x, const float *w, int64_t M, int64_t d, float eps, float *y) {
@@ -89,8 +96,7 @@ static void rms_norm(const float *x, const float *w, int64_t M, int64_t d, float
 #ifdef __AVX512F__
         __m512 acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < d; i += 16) {
-            const __mmask16 k = d - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - i)) - 1);
-            const __m512 v = _mm512_maskz_loadu_ps(k, xr + i);
+            const __m512 v = _mm512_maskz_loadu_ps(tail_mask(d - i), xr + i);
             acc = _mm512_fmadd_ps(v, v, acc);
         }
         const float ss = _mm512_reduce_add_ps(acc);
@@ -147,7 +153,6 @@ static inline __m512 vexp(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
 /* p[t] = e^(p[t] - sub), t < n */
 static void exp_shifted(float *p, int64_t n, float sub) {
