@@ -215,6 +215,42 @@ def test_engine_redoes_an_overflowed_fp16_step_exactly(tiny_llama_dir, tiny_toke
     assert generate(half, tiny_tokenizer, [PROMPTS[0]], 8, stop_tokens=set()).sequences[0].token_ids == expected
 
 
+def test_argmax_is_torchs_argmax():
+    """The engine's argmax (numpy's reduction for fp32 on the CPU) gives torch's answer: the first of tied maxima,
+    the first NaN where there is one, any leading shape, strided views, other dtypes through torch."""
+    from toolkit.engine.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 700, generator=g)
+    logits[0, 0, [10, 20, 30]] = 50.0  # a tie: the first index wins
+    logits[1, 2, [600, 40]] = float("nan")
+    logits[2, 4, 699] = float("inf")
+    for x in (logits, logits[1], logits[0, 0], logits[:, :, ::3], logits.transpose(0, 1), logits.bfloat16()):
+        got = argmax(x)
+        assert got.dtype == torch.int64 and got.shape == x.shape[:-1]
+        assert torch.equal(got, x.argmax(-1))
+    assert argmax(logits)[0, 0] == 10 and argmax(logits)[1, 2] == 40 and argmax(logits)[2, 4] == 699
+
+
+def test_overflowed_sees_any_non_finite_logit():
+    """The engine's overflow check (a sum, not a full isfinite): one inf, -inf or NaN anywhere is caught, finite
+    logits pass, and a model whose path cannot overflow is never redone."""
+    from types import SimpleNamespace
+
+    from toolkit.engine.precision import overflowed
+
+    half = SimpleNamespace(specquant_precision=Precision(torch.float32, torch.float16))
+    exact = SimpleNamespace(specquant_precision=Precision(torch.float32, torch.float32))
+    logits = torch.randn(2, 6, 1000) * 30
+    assert not overflowed(half, logits)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for where in ((0, 0, 0), (1, 5, 999), (1, 2, 500)):
+            spoiled = logits.clone()
+            spoiled[where] = bad
+            assert overflowed(half, spoiled)
+            assert not overflowed(exact, spoiled)
+
+
 def test_auto_precision_follows_the_hardware(monkeypatch):
     from toolkit.engine import precision
 

@@ -405,8 +405,8 @@ def test_overflowed_step_is_redone_exactly(tiny_model, monkeypatch):
         calls["inexact"] += 1
         return torch.full_like(output, float("nan"))
 
-    generate_module = importlib.import_module("toolkit.engine.generate")  # the module, not the function it exports
-    monkeypatch.setattr(generate_module, "may_overflow", lambda model: True)  # paged_forward's check
+    precision = importlib.import_module("toolkit.engine.precision")
+    monkeypatch.setattr(precision, "may_overflow", lambda model: True)  # what paged_forward's check (`overflowed`) asks
     hooks = [model.get_input_embeddings().register_forward_hook(garbage_in),
              model.get_output_embeddings().register_forward_hook(nan_out)]
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.precision import bf16_prefill, exact_linears, may_overflow
+from toolkit.engine.precision import bf16_prefill, exact_linears, overflowed
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.engine.timing import GenerationTiming, Stopwatch
 from toolkit.errors import InputError
@@ -58,7 +58,7 @@ def _forward(model, input_ids, attention_mask, position_ids, cache, forward=None
                        cache=cache, use_cache=True, **kwargs).logits[:, -1]
 
     logits = run()
-    if may_overflow(model) and not torch.isfinite(logits).all():
+    if overflowed(model, logits):
         cache.crop(start)  # the overflowed step wrote garbage keys/values: drop them and redo it exactly
         with exact_linears():
             logits = run()
@@ -82,7 +82,7 @@ def paged_forward(model, cache, seqs, new_tokens: list[list[int]], keep: int = 1
         return logits[:, -1] if keep == 1 else logits[:, -keep:]
 
     logits = run()
-    if may_overflow(model) and not torch.isfinite(logits).all():
+    if overflowed(model, logits):
         with exact_linears():
             logits = run()
     cache.commit()

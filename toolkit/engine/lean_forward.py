@@ -569,6 +569,42 @@ class LeanForward:
         return CausalLMOutputWithPast(logits=self.logits(input_ids, attention_mask, position_ids, cache,
                                                          logits_to_keep), cache=cache)
 
+    def one_token(self, token: int, position: int, cache) -> torch.Tensor | None:
+        """`logits` for one token of one sequence at `position` [1, 1, vocab] where the native stack runs the call,
+        else None (the caller takes the general call). The same arithmetic as `logits` on that call -- the
+        embedding's row cast as the embedding's output is, the rotary table's rows, the stack, the head -- without
+        the tensors and operators that a call builds around it: a drafted token's step runs them just after the
+        stack has streamed the weights through the caches, so each costs tens of microseconds there (~0.5 ms a
+        SmolLM2 draft step, README "The draft step's own costs")."""
+        native = self.native_decoder()
+        weight = self._plain_embedding()
+        rotary = self.model.model.rotary_emb
+        if (native is None or weight is None or getattr(rotary, "rope_type", None) != "default" or position < 0
+                or not 0 <= token < weight.shape[0]):
+            return None
+        hidden = weight[token:token + 1].to(torch.float32, copy=True)[None]  # [1, 1, d], consumed by `run`
+        if not native.applies(hidden, None, cache):
+            return None
+        table = getattr(rotary, "specquant_table", None)
+        if table is None or table[0].shape[0] <= position or table[0].dtype != hidden.dtype:
+            _rotary(rotary, hidden, torch.tensor([[position]]))  # makes (or grows) the table
+            table = rotary.specquant_table
+        native.run(hidden, table[0][position:position + 1], table[1][position:position + 1], cache)
+        return self._head(hidden, 1, native)
+
+    def _plain_embedding(self) -> torch.Tensor | None:
+        """The embedding's weight where its output is that weight's rows cast to fp32 (a plain nn.Embedding on the
+        CPU whose only hook is the engine's cast, engine/precision.py), else None."""
+        embed = self.model.model.embed_tokens
+        hooks = list(embed._forward_hooks.values())
+        if (type(embed) is not torch.nn.Embedding or embed.max_norm is not None or embed._forward_pre_hooks
+                or embed.weight.device.type != "cpu" or embed.weight.dtype not in (torch.float32, torch.float16,
+                                                                                  torch.bfloat16)
+                or len(hooks) > 1 or (hooks and getattr(hooks[0], "casts_to", None) is not torch.float32)
+                or (not hooks and embed.weight.dtype is not torch.float32)):
+            return None
+        return embed.weight
+
     def takes_read_splits(self) -> bool:
         """Whether calls take the lean path, which updates and attends piece by piece where the cache asks
         (`read_splits`); otherwise the caller has to run the pieces as separate forwards (spec/ragged.py)."""
@@ -634,9 +670,9 @@ class LeanForward:
     def _head(self, hidden: torch.Tensor, logits_to_keep: int, native=None) -> torch.Tensor:
         """The final norm and the output head over the last `logits_to_keep` rows (0: all); after the native stack,
         its own run of the head where it has one (`NativeDecoder.head_logits`)."""
-        hidden = self.model.model.norm.forward(hidden)
-        if logits_to_keep:
+        if logits_to_keep:  # the norm is per row: only the kept rows need it
             hidden = hidden[:, -logits_to_keep:, :]
+        hidden = _norm(self.model.model.norm, hidden)  # the module's arithmetic without its five operators
         logits = native.head_logits(hidden) if native is not None else None
         return self.model.lm_head(hidden) if logits is None else logits
 

@@ -292,6 +292,7 @@ class NativeDecoder:
     def __init__(self, layers: list, keep: list, dims: _Dims, max_rows: int, n_layers: int):
         self.layers = (_Layer * n_layers)(*layers)
         self._keep = keep  # tensors the C structs point into (fp32 bias copies), alive as long as this
+        self._buffers = None  # ((cache id, buffer epoch), (keys, values) address arrays): `_addresses`
         self.dims = dims
         self.n_layers = n_layers
         kinds = [q.kind for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -387,6 +388,21 @@ class NativeDecoder:
         return self.head_kernel.linear(hidden.reshape(batch * rows, d), packed, packed.numel() // d, bias).view(
             batch, rows, -1)
 
+    def _addresses(self, cache, layers) -> tuple:
+        """The layers' key and value buffer addresses as C arrays, remade only when some buffer was (re)made
+        (`ContiguousKVLayer.buffer_epoch`) or another cache comes: a draft step otherwise spends ~0.05 ms on them."""
+        from toolkit.engine.kv_cache import ContiguousKVLayer
+
+        # the first and last buffers' addresses too: a later cache at a freed one's id, holding layers made before
+        # the arrays were, cannot pass for it
+        key = (id(cache), ContiguousKVLayer.buffer_epoch, layers[0].key_buffer.data_ptr(),
+               layers[-1].value_buffer.data_ptr())
+        if self._buffers is None or self._buffers[0] != key:
+            keys = (ctypes.c_void_p * self.n_layers)(*(layer.key_buffer.data_ptr() for layer in layers))
+            values = (ctypes.c_void_p * self.n_layers)(*(layer.value_buffer.data_ptr() for layer in layers))
+            self._buffers = key, (keys, values)
+        return self._buffers[1]
+
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
         """hidden [1, M, d] fp32 (consumed: updated in place and returned) through every layer; cos, sin [M,
         head_dim] for the rows' positions. Writes the rows' keys and values at the cache's next slots and advances
@@ -399,8 +415,7 @@ class NativeDecoder:
         start = layers[0].length
         if any(layer.length != start or type(layer) is not type(layers[0]) for layer in layers):
             raise RuntimeError("the KV cache's layers hold different lengths")
-        keys = (ctypes.c_void_p * self.n_layers)(*(layer.key_buffer.data_ptr() for layer in layers))
-        values = (ctypes.c_void_p * self.n_layers)(*(layer.value_buffer.data_ptr() for layer in layers))
+        keys, values = self._addresses(cache, layers)
         self.dims.cap = layers[0].max_length
         rows = hidden.shape[1]
         rc = library().sq_decoder_layers(ctypes.byref(self.layers), self.n_layers, ctypes.byref(self.dims),

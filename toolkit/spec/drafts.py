@@ -15,7 +15,7 @@ target's own weights; `LookupDraft` matches n-grams of the context (prompt looku
 
 import torch
 
-from toolkit.engine.sampling import SamplingParams, probabilities
+from toolkit.engine.sampling import SamplingParams, argmax, probabilities
 from toolkit.errors import InputError
 from toolkit.spec.ragged import RaggedBatch
 
@@ -246,7 +246,7 @@ class ModelDraft:
             logits = self._fit_vocab(state.feed(first, logits=1)[:, -1].float())
             while True:
                 q = None if greedy else probabilities(logits, self.sampling)
-                chosen = logits.argmax(-1) if greedy else torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
+                chosen = argmax(logits) if greedy else torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
                 if self.subset is not None:  # subset columns -> token ids; q over the target's vocabulary
                     ids = self.subset.vocab_ids
                     chosen = ids[chosen]

@@ -18,7 +18,7 @@ sliding-window models are not token-identical to running each sequence alone (on
 import torch
 
 from toolkit.engine.generate import takes_logits_to_keep
-from toolkit.engine.precision import exact_linears, may_overflow
+from toolkit.engine.precision import exact_linears, overflowed
 
 
 
@@ -32,13 +32,19 @@ class RaggedBatch:
         self.forward = forward or model
         device = next(model.parameters()).device
         self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [batch, cache slots]; batch 1: unused
-        self.counts = torch.zeros(batch, dtype=torch.long, device=device)  # real tokens per row
+        self._counts = torch.zeros(batch, dtype=torch.long, device=device)  # real tokens per row (batch > 1)
+        self._count = 0  # one sequence's: a Python int, read and bumped at every drafted token without a tensor op
         self._start = 0  # cache length at the mark
         self._written: list[list[int]] = [[] for _ in range(batch)]  # per row: slots of the tokens fed since the mark
 
     @property
     def batch(self) -> int:
         return self.mask.shape[0]
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Real tokens per row [batch] (a copy)."""
+        return torch.tensor([self._count], device=self.mask.device) if self.batch == 1 else self._counts.clone()
 
     def mark(self) -> None:
         self._start = self.cache.length
@@ -60,12 +66,12 @@ class RaggedBatch:
                 ids[i, width - len(r):] = torch.tensor(r)
                 new_mask[i, width - len(r):] = 1
         ids, new_mask = ids.to(device), new_mask.to(device)
-        positions = (self.counts[:, None] + new_mask.cumsum(-1) - 1).masked_fill(new_mask == 0, 1)
+        positions = (self._counts[:, None] + new_mask.cumsum(-1) - 1).masked_fill(new_mask == 0, 1)
         mask = torch.cat([self.mask, new_mask], dim=1)
         start = self.cache.length
         out = self._run(ids, None if bool(mask.all()) else mask, positions, logits or width, start)
         self.mask = mask
-        self.counts = self.counts + new_mask.sum(-1)
+        self._counts = self._counts + new_mask.sum(-1)
         for i, n in enumerate(lengths):
             self._written[i].extend(range(start + width - n, start + width))
         return out
@@ -75,36 +81,63 @@ class RaggedBatch:
         built or passed and positions run on from its count -- the same ids and positions `feed` makes, without the
         ~0.1-0.2 ms of tensor bookkeeping per call that a draft pays at every drafted token."""
         n = len(row)
-        device = self.counts.device
-        start, count = self.cache.length, int(self.counts[0])
+        device = self.mask.device
+        start, count = self.cache.length, self._count
+        if n == 1:  # a drafted token's step: the lean forward's one-token path where the native stack runs it
+            out = self._one_token(row[0], count, start)
+            if out is not None:
+                self._count += 1
+                self._written[0].append(start)
+                return out
         ids = torch.tensor([row], dtype=torch.long, device=device)
         positions = torch.arange(count, count + n, device=device)[None]
         out = self._run(ids, None, positions, logits or n, start)
-        self.counts += n
+        self._count += n
         self._written[0].extend(range(start, start + n))
+        return out
+
+    def _one_token(self, token: int, position: int, start: int) -> torch.Tensor | None:
+        """`_run` of one token through `LeanForward.one_token` (the same arithmetic), or None where that does not
+        apply (the caller runs it the general way)."""
+        lean = self.model.__dict__.get("forward")
+        if self.forward is not self.model or not getattr(lean, "takes_read_splits", lambda: False)():
+            return None
+        with torch.inference_mode():
+            out = lean.one_token(token, position, self.cache)
+            if out is not None and overflowed(self.model, out):
+                self.cache.crop(start)
+                return None  # redone the general way, which reruns an overflowed pass exactly
         return out
 
     def _run(self, ids, mask, positions, keep, start) -> torch.Tensor:
         takes_keep = takes_logits_to_keep(type(self.model))
         # where the cache asks for a pass in pieces (a flush inside a verify pass on a quantized cache) and the
         # forward cannot do it inside attention, each piece is a forward of its own: the same readings, more passes
-        lean = getattr(self.model.__dict__.get("forward"), "takes_read_splits", None)
-        splits = [] if lean is not None and lean() else getattr(self.cache, "read_splits", lambda n: [])(ids.shape[1])
+        lean = self.model.__dict__.get("forward")
+        lean = lean if getattr(lean, "takes_read_splits", lambda: False)() else None
+        splits = [] if lean is not None else getattr(self.cache, "read_splits", lambda n: [])(ids.shape[1])
         edges = [0, *splits, ids.shape[1]]
+        # the lean forward's logits called directly (what its __call__ would run for these arguments), without the
+        # module call and the output object around them: a draft pays those at every drafted token
+        direct = lean.logits if lean is not None and self.forward is self.model else None
 
         def run():
             outs = []
             for a, b in zip(edges, edges[1:]):
                 n = keep if len(edges) == 2 else b - a
-                out = self.forward(input_ids=ids[:, a:b], attention_mask=None if mask is None else mask[:, :start + b],
-                                   position_ids=positions[:, a:b], cache=self.cache, use_cache=True,
-                                   **({"logits_to_keep": n} if takes_keep else {})).logits
+                part_mask = None if mask is None else mask[:, :start + b]
+                if direct is not None:
+                    out = direct(ids[:, a:b], part_mask, positions[:, a:b], self.cache, n)
+                else:
+                    out = self.forward(input_ids=ids[:, a:b], attention_mask=part_mask, position_ids=positions[:, a:b],
+                                       cache=self.cache, use_cache=True,
+                                       **({"logits_to_keep": n} if takes_keep else {})).logits
                 outs.append(out[:, -n:])
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)[:, -keep:]
 
         with torch.inference_mode():
             out = run()
-            if may_overflow(self.model) and not torch.isfinite(out).all():
+            if overflowed(self.model, out):
                 self.cache.crop(start)  # the overflowed pass wrote garbage: drop it and redo it exactly (as the engine)
                 with exact_linears():
                     out = run()
@@ -115,7 +148,7 @@ class RaggedBatch:
         real token, the round marked there."""
         if self.batch != 1 or self.cache.length != length:
             raise ValueError(f"reset_to({length}) needs one sequence and a cache of that length")
-        self.counts = torch.full_like(self.counts, length)  # (one sequence keeps no mask: `_feed_one`)
+        self._count = length  # (one sequence keeps no mask: `_feed_one`)
         self.mark()
 
     def keep(self, kept: list[int]) -> None:
@@ -125,7 +158,7 @@ class RaggedBatch:
             slots, k = self._written[0], kept[0]
             if not 0 <= k <= len(slots):
                 raise ValueError(f"row 0: cannot keep {k} of {len(slots)} fed tokens")
-            self.counts[0] -= len(slots) - k
+            self._count -= len(slots) - k
             self.cache.crop(slots[k - 1] + 1 if k else self._start)
             self.mark()
             return
@@ -135,7 +168,7 @@ class RaggedBatch:
                 raise ValueError(f"row {i}: cannot keep {k} of {len(slots)} fed tokens")
             for slot in slots[k:]:
                 self.mask[i, slot] = 0
-            self.counts[i] -= len(slots) - k
+            self._counts[i] -= len(slots) - k
             if k:
                 ends.append(slots[k - 1] + 1)
         end = max(ends)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.sampling import SamplingParams, probabilities
+from toolkit.engine.sampling import SamplingParams, argmax, probabilities
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Verdict:
 
 def greedy_verify(target_logits: torch.Tensor, drafted: list[int]) -> Verdict:
     """`target_logits` [n+1, vocab]: row j scores the position of drafted[j] (row n: the one after the last)."""
-    choice = target_logits.argmax(-1).tolist()
+    choice = argmax(target_logits).tolist()
     accepted = 0
     while accepted < len(drafted) and drafted[accepted] == choice[accepted]:
         accepted += 1

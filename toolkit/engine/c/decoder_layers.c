@@ -60,6 +60,11 @@ typedef struct {
     float eps, scaling;
 } sq_dims;
 
+/* attention runs on the OpenMP threads above this many (head, row, key) scores a layer, serial below */
+#ifndef SQ_ATTN_PARALLEL_MIN
+#define SQ_ATTN_PARALLEL_MIN 4096
+#endif
+
 static int q4_ordered(const sq_q4 *w, const float *x, int64_t M, float *y) {
     if (w->kind == 4) return sq_b16_linear(x, M, w->k, (const uint16_t *)w->codes, w->bias, w->n, y);
     if (w->kind == 3) return sq_int8_linear(x, M, w->k, (const int8_t *)w->codes, w->scale, w->bias, w->n, y);
@@ -320,7 +325,7 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
                 memcpy(vc + (h * cap + start + m) * hd, row + qn + kvn + h * hd, sizeof(float) * hd);
             }
         }
-#pragma omp parallel for schedule(static) if (H * M * end > 4096)
+#pragma omp parallel for schedule(static) if (H * M * end > SQ_ATTN_PARALLEL_MIN)
         for (int64_t hm = 0; hm < H * M; hm++) {
             const int64_t h = hm / M, m = hm % M, kvh = h / group;
             attend_head(wide + m * qkvn + h * hd, kc + kvh * cap * hd, vc + kvh * cap * hd, start + m + 1, hd,
