@@ -576,27 +576,40 @@ def test_self_draft_of_a_quantized_target_requantizes_wider_codes_and_keeps_narr
         assert got == reference
 
 
-def test_a_shared_kv_draft_holds_the_targets_keys_and_values_for_every_verified_token(llama_and_gemma):
-    """spec.share_kv: after a generation the draft's cache is the target's, bit for bit, up to the last sync (the
-    prompt and every verified token); a batch keeps the draft's own cache."""
+def test_a_shared_kv_draft_runs_in_the_targets_full_precision_cache(llama_and_gemma):
+    """spec.share_kv with a full-precision target cache: the draft drafts in the target's cache itself, nothing
+    copied. Every round it starts at the target's length and leaves the cache as it found it (length and the
+    verified tokens' keys and values; its own drafted tokens dropped), and the output is the target's own. A batch,
+    or share_kv off, keeps the draft's own cache."""
     llama, _, tok = llama_and_gemma
     spec = {"kind": "self", "bits": 4, "group_size": 32, "share_kv": True}
     draft = build_draft(spec, llama, tok)
     prompt = _prompts(2)[1]
+    rounds, propose = [], draft.propose
+
+    def checked_propose(contexts, k, active=None):
+        cache = draft.state.cache
+        length = cache.length
+        keys = [layer.key_buffer[:, :, :length].clone() for layer in cache.layers]
+        values = [layer.value_buffer[:, :, :length].clone() for layer in cache.layers]
+        out = propose(contexts, k, active)
+        assert cache.length == length == len(contexts[0]) - 1  # every emitted token but the pending one
+        for layer, k0, v0 in zip(cache.layers, keys, values):
+            assert torch.equal(layer.key_buffer[:, :, :length], k0) and torch.equal(layer.value_buffer[:, :, :length], v0)
+        rounds.append(len(out[0][0]))
+        return out
+
+    draft.propose = checked_propose
     out = speculative_generate(llama, tok, [prompt], 16, draft, DraftLength(3), stop_tokens=set())
-    target = draft.target
-    assert target is not None
-    prompt_len = len(tok(prompt).input_ids)
-    assert prompt_len < draft.synced <= target.cache.length == prompt_len + 16 - 1
-    for mine, theirs in zip(draft.state.cache.layers, target.cache.layers):
-        assert torch.equal(mine.key_buffer[:, :, :draft.synced], theirs.key_buffer[:, :, :draft.synced])
-        assert torch.equal(mine.value_buffer[:, :, :draft.synced], theirs.value_buffer[:, :, :draft.synced])
-    assert out.stats.rounds > 1
+    assert draft.in_place and draft.target is not None and draft.state.cache is draft.target.cache
+    assert out.sequences[0].token_ids == generate(llama, tok, [prompt], 16, stop_tokens=set()).sequences[0].token_ids
+    assert out.stats.rounds > 1 and len(rounds) == out.stats.rounds and out.stats.accepted > 0
+    del draft.propose
     own = build_draft({**spec, "share_kv": False}, llama, tok)
     speculative_generate(llama, tok, [prompt], 4, own, DraftLength(3), stop_tokens=set())
-    assert own.target is None
+    assert own.target is None and not own.in_place
     speculative_generate(llama, tok, _prompts(2), 4, draft, DraftLength(3), stop_tokens=set())
-    assert draft.target is None  # two sequences: the draft keeps its own cache
+    assert draft.target is None and not draft.in_place  # two sequences: the draft keeps its own cache
 
 
 @pytest.mark.parametrize("bits,group", [(8, 8), (4, 8), (4, 16)])  # G = 16: keys wait staged, groups form apart

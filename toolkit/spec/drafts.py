@@ -146,7 +146,11 @@ class ModelDraft:
     draft never runs the prompt and computes keys and values only for the tokens it drafts (and the round's first,
     the target's correction). Only a draft whose layer i is the target's layer i at another precision can read
     them (the self-draft); one sequence, the draft's cache full precision, the target's full precision or quantized
-    (`kv=int8/int4`: read dequantized, as the target's attention reads it); else the draft keeps its own."""
+    (`kv=int8/int4`: read dequantized, as the target's attention reads it); else the draft keeps its own. With the
+    target's cache full precision and the draft's too, the draft runs in the target's cache itself ("in place"): it
+    writes its drafted tokens' keys and values in the slots past the target's length and drops them when its round
+    is drafted (the target's verify pass writes its own there), so nothing is copied at all -- the copy cost ~60
+    small tensor operations a round (README, "The draft step's own costs")."""
 
     deterministic = False
 
@@ -172,8 +176,14 @@ class ModelDraft:
         from toolkit.kv import make_kv_cache
         from toolkit.kv.quantized_cache import QuantizedKVCache
 
-        cache = make_kv_cache(self.model, capacity, self.kv)
+        from toolkit.kv import kv_kind
+
         batch = target.batch
+        # in place: a full-precision target cache is the draft's own cache too (see the class docstring)
+        self.in_place = (self.share_kv and batch == 1 and kv_kind(self.kv) == "fp"
+                         and type(target.cache) is ContiguousKVCache
+                         and self.model.config.num_hidden_layers <= len(target.cache.layers))
+        cache = target.cache if self.in_place else make_kv_cache(self.model, capacity, self.kv)
         self.state = RaggedBatch(self.model, cache, batch, target.pad_id,
                                  getattr(self.model, "specquant_decode_forward", None))
         self.fed = [0] * batch  # per row: context tokens already in the draft's cache
@@ -226,7 +236,10 @@ class ModelDraft:
         batch = len(contexts)
         active = active or [True] * batch
         state = self.state
-        if self.target is not None and active[0]:
+        if self.in_place and active[0]:  # the target's cache holds every verified token: draft on from its end
+            self.fed[0] = self.target.cache.length
+            state.reset_to(self.fed[0])
+        elif self.target is not None and active[0]:
             self._sync()
         state.mark()
         if self.subset is not None:  # the context's own tokens join the subset head's (a name, once seen, recurs)
@@ -270,10 +283,14 @@ class ModelDraft:
                     break
                 logits = self._fit_vocab(state.feed([[int(t)] for t in chosen], logits=1)[:, -1].float())
         self._round = (contexts, catch_up, steps, active)
+        if self.in_place:  # the drafted tokens' keys and values sit past the target's length: drop them
+            state.keep([0])
         q_out = [torch.stack(p) if p and not greedy else None for p in probs]
         return tokens, q_out
 
     def accept(self, accepted) -> None:
+        if self.in_place:  # nothing of the draft's own was kept (`propose`): the next round reads the target's
+            return
         contexts, catch_up, steps, active = self._round
         if steps == 0:  # nothing drafted: nothing fed; the next round catches up on the whole tail
             self.state.keep([0] * len(contexts))
