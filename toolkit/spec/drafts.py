@@ -149,8 +149,8 @@ class ModelDraft:
     (`kv=int8/int4`: read dequantized, as the target's attention reads it); else the draft keeps its own. With the
     target's cache full precision and the draft's too, the draft runs in the target's cache itself ("in place"): it
     writes its drafted tokens' keys and values in the slots past the target's length and drops them when its round
-    is drafted (the target's verify pass writes its own there), so nothing is copied at all -- the copy cost ~60
-    small tensor operations a round (README, "The draft step's own costs")."""
+    is drafted (the target's verify pass writes its own there), so nothing is copied at all -- the copy cost eight
+    small tensor operations a layer each round (README, "The draft step's own costs")."""
 
     deterministic = False
 
