@@ -173,10 +173,8 @@ class ModelDraft:
 
     def reset(self, target: RaggedBatch, capacity: int) -> None:
         from toolkit.engine.kv_cache import ContiguousKVCache
-        from toolkit.kv import make_kv_cache
+        from toolkit.kv import kv_kind, make_kv_cache
         from toolkit.kv.quantized_cache import QuantizedKVCache
-
-        from toolkit.kv import kv_kind
 
         batch = target.batch
         # in place: a full-precision target cache is the draft's own cache too (see the class docstring)
