@@ -1,5 +1,7 @@
 """The lookup replay (toolkit/bench/lookup_replay.py): its rounds are the loop's rounds, its costs are measured."""
 
+import pytest
+
 from toolkit.bench.lookup_replay import RULES, Rule, replay
 from toolkit.spec.drafts import LookupDraft
 
@@ -26,6 +28,20 @@ def test_the_replay_runs_every_rule_on_a_model_with_measured_costs(tiny_llama_di
 
     out = run(str(tiny_llama_dir), ["code"], n_prompts=2, new_tokens=12)
     assert out["costs"][1] == 1.0 and set(out["costs"]) == set(range(1, 18))
+    assert "bf16 native products" not in out["dtype"]  # the engine's default setting
     for rule in RULES:
         assert out["results"][("code", rule.name)]["mean"] > 0
     print_result(out)
+
+
+def test_the_replay_runs_in_the_bf16_setting_too(tiny_llama_dir):
+    """--native-dot bf16: the replay's model runs the bf16 products (engine.native_dot), its costs measured there."""
+    from toolkit.bench.lookup_replay import main, run
+    from toolkit.quant import bf16_native
+
+    if not bf16_native.available():
+        pytest.skip("bf16 products need the bf16 kernel (AVX512-BF16)")
+    out = run(str(tiny_llama_dir), ["code"], n_prompts=1, new_tokens=8, native_dot="bf16")
+    assert out["dtype"].endswith("bf16 native products") and out["costs"][1] == 1.0
+    with pytest.raises(SystemExit):
+        main(["--native-dot", "fp16"])

@@ -1,7 +1,9 @@
 """Prompt lookup's draft-length rules, replayed exactly on recorded greedy outputs (toolkit/spec/drafts.py).
 
     python -m toolkit.bench.lookup_replay [--model smollm2-135m] [--prompts code,grounded,open] [--n-prompts 8]
-                                          [--new-tokens 128]
+                                          [--new-tokens 128] [--native-dot fp32|bf16]
+
+`--native-dot`: the engine's `engine.native_dot` for the replay's model (costs and outputs are the setting's own).
 
 Why a replay: timing a lookup run end to end is noisy here (the same command differs by 5-8% between runs), while
 the differences between length rules are a few percent. But greedy output does not depend on the rule (speculation
@@ -100,7 +102,7 @@ def measure_costs(model, rows=range(1, MAX_ROWS + 1), context: int = 128, passes
     return {r: statistics.median(t) / step for r, t in times.items()}
 
 
-def run(model_name: str, prompt_sets: list[str], n_prompts: int, new_tokens: int) -> dict:
+def run(model_name: str, prompt_sets: list[str], n_prompts: int, new_tokens: int, native_dot: str = "fp32") -> dict:
     from omegaconf import OmegaConf
 
     from toolkit.cli.app import CONF_DIR
@@ -108,7 +110,9 @@ def run(model_name: str, prompt_sets: list[str], n_prompts: int, new_tokens: int
     from toolkit.engine.generate import generate
     from toolkit.engine.setup import load_engine_model
 
-    loaded = load_engine_model(model_name, OmegaConf.load(CONF_DIR / "engine" / "default.yaml"))  # as the CLI runs it
+    engine = OmegaConf.load(CONF_DIR / "engine" / "default.yaml")  # as the CLI runs it
+    engine.native_dot = native_dot
+    loaded = load_engine_model(model_name, engine)
     costs = measure_costs(loaded.model)
     results = {}
     for name in prompt_sets:
@@ -124,12 +128,13 @@ def run(model_name: str, prompt_sets: list[str], n_prompts: int, new_tokens: int
             results[(name, rule.name)] = {"mean": statistics.mean(speedups),
                                           "first_3": statistics.mean(speedups[:3])}
     return {"model": loaded.name, "n_prompts": n_prompts, "new_tokens": new_tokens, "costs": costs,
-            "prompt_sets": prompt_sets, "results": results}
+            "prompt_sets": prompt_sets, "results": results, "native_dot": native_dot, "dtype": loaded.precision.name}
 
 
 def print_result(out: dict) -> None:
     costs = out["costs"]
-    print(f"{out['model']}: cost of a pass feeding r new tokens, in one-token steps (median, same run):")
+    print(f"{out['model']} ({out['dtype']}): cost of a pass feeding r new tokens, in one-token "
+          f"steps (median, same run):")
     print("  " + "  ".join(f"{r}: {c:.2f}" for r, c in costs.items()))
     print(f"predicted decode speedup over the target alone, mean over {out['n_prompts']} prompts "
           f"({out['new_tokens']} new tokens; in brackets the first 3, the prompts `specquant bench n_prompts=3` runs)")
@@ -146,8 +151,10 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", default="code,grounded,open")
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--native-dot", default="fp32", choices=["fp32", "bf16"],
+                        help="engine.native_dot for the model (README, \"bf16 products on the native stack\")")
     args = parser.parse_args(argv)
-    print_result(run(args.model, args.prompts.split(","), args.n_prompts, args.new_tokens))
+    print_result(run(args.model, args.prompts.split(","), args.n_prompts, args.new_tokens, args.native_dot))
 
 
 if __name__ == "__main__":
