@@ -152,20 +152,26 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(native_model):
     assert torch.equal(together, apart)
 
 
-def test_one_token_is_the_general_call_bit_for_bit(native_model):
+def test_one_token_is_the_general_call_bit_for_bit(native_model, monkeypatch):
     """`LeanForward.one_token` (a drafted token's step without the call's tensors around it) gives the logits and
-    the cache contents of the general call, bit for bit, and so does RaggedBatch's one-token feed that takes it;
+    the cache contents of the general call, bit for bit, and so do RaggedBatch's one-token feed and the engine's
+    decode step, which take it;
     where the stack cannot run the call (a quantized cache, a token past the embedding) it answers None."""
     from toolkit.kv import make_kv_cache
     from toolkit.spec.ragged import RaggedBatch
 
     torch.manual_seed(0)
     ids = torch.randint(4, native_model.config.vocab_size, (1, 14)).tolist()[0]
+    import importlib
+
+    from toolkit.engine.generate import decode_step
+
+    generate_module = importlib.import_module("toolkit.engine.generate")
     lean = native_model.forward
-    caches = [ContiguousKVCache.for_model(native_model, 64) for _ in range(3)]
+    caches = [ContiguousKVCache.for_model(native_model, 64) for _ in range(4)]
     ragged = RaggedBatch(native_model, caches[2], 1, 0)
     with torch.inference_mode():
-        for cache in caches[:2]:
+        for cache in caches[:2] + caches[3:]:
             native_model(input_ids=torch.tensor([ids[:9]]), cache=cache, use_cache=True)
         ragged.feed([ids[:9]], logits=1)
         ragged.keep([9])
@@ -173,15 +179,19 @@ def test_one_token_is_the_general_call_bit_for_bit(native_model):
             general = native_model(input_ids=torch.tensor([[token]]), cache=caches[0], use_cache=True).logits
             assert torch.equal(lean.one_token(token, position, caches[1]), general)
             assert torch.equal(ragged.feed([[token]], logits=1), general)
+            # the engine's decode step (generate) takes it too, never its general call
+            with monkeypatch.context() as patch:
+                patch.setattr(generate_module, "_forward", None)
+                stepped = decode_step(native_model, torch.tensor([[token]]), None, torch.tensor([[position]]), caches[3])
+            assert torch.equal(stepped, general[:, -1])
         assert ragged.counts.tolist() == [14]
         quantized = make_kv_cache(native_model, 64, "int4")
         native_model(input_ids=torch.tensor([ids[:9]]), cache=quantized, use_cache=True)
         assert lean.one_token(ids[9], 9, quantized) is None
         assert lean.one_token(native_model.config.vocab_size + 5, 14, caches[1]) is None
-    for a, b, c in zip(*(cache.layers for cache in caches)):
-        assert a.length == b.length == c.length == 14
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        assert torch.equal(a.keys, c.keys) and torch.equal(a.values, c.values)
+    for a, *others in zip(*(cache.layers for cache in caches)):
+        assert a.length == 14
+        assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for b in others)
 
 
 def test_calls_it_cannot_run_take_the_torch_path(native_model):

@@ -100,8 +100,17 @@ def prefill(model, input_ids, attention_mask, position_ids, cache) -> torch.Tens
 @torch.inference_mode()
 def decode_step(model, tokens, attention_mask, position_ids, cache) -> torch.Tensor:
     """Run one new token per sequence [batch, 1] against the cache; return its logits [batch, vocab].
-    Uses the compiled forward that `engine.setup.compile_decode` attached, if any."""
-    return _forward(model, tokens, attention_mask, position_ids, cache, getattr(model, "specquant_decode_forward", None))
+    Uses the compiled forward that `engine.setup.compile_decode` attached, if any. One sequence on the native stack
+    takes the lean forward's one-token path (`LeanForward.one_token`: the same logits, without the call's tensors and
+    module plumbing around the stack; no overflow check, as the stack sums in fp32)."""
+    compiled = getattr(model, "specquant_decode_forward", None)
+    lean = model.__dict__.get("forward")
+    if (compiled is None and attention_mask is None and tokens.shape[0] == 1 and hasattr(lean, "one_token")
+            and lean.takes_read_splits()):
+        logits = lean.one_token(int(tokens[0, 0]), int(position_ids[0, -1]), cache)
+        if logits is not None:
+            return logits[:, -1]
+    return _forward(model, tokens, attention_mask, position_ids, cache, compiled)
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
