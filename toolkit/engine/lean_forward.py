@@ -489,14 +489,20 @@ def _rotary(rotary, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[t
     low, high = torch.aminmax(position_ids)
     if int(low) < 0:  # an index would wrap around the table: no such position is ever asked of it
         return rotary(hidden, position_ids=position_ids)
-    need = int(high) + 1
+    table = _rotary_table(rotary, hidden, int(high) + 1)
+    return table[0][position_ids], table[1][position_ids]
+
+
+def _rotary_table(rotary, hidden: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain rotary's (cos, sin) table for positions 0..n-1, n >= `need` (`_rotary`), made or grown (by
+    doubling, at least 1024) when it is shorter or of another dtype than `hidden`, and kept on the module."""
     table = getattr(rotary, "specquant_table", None)
     if table is None or table[0].shape[0] < need or table[0].dtype != hidden.dtype:
         size = max(1024, 1 << (need - 1).bit_length())
         cos, sin = rotary(hidden, position_ids=torch.arange(size, device=hidden.device)[None])
         table = (cos[0], sin[0])
         rotary.specquant_table = table
-    return table[0][position_ids], table[1][position_ids]
+    return table
 
 
 class LeanForward:
@@ -585,10 +591,7 @@ class LeanForward:
         hidden = weight[token:token + 1].to(torch.float32, copy=True)[None]  # [1, 1, d], consumed by `run`
         if not native.applies(hidden, None, cache):
             return None
-        table = getattr(rotary, "specquant_table", None)
-        if table is None or table[0].shape[0] <= position or table[0].dtype != hidden.dtype:
-            _rotary(rotary, hidden, torch.tensor([[position]]))  # makes (or grows) the table
-            table = rotary.specquant_table
+        table = _rotary_table(rotary, hidden, position + 1)
         native.run(hidden, table[0][position:position + 1], table[1][position:position + 1], cache)
         return self._head(hidden, 1, native)
 

@@ -62,6 +62,8 @@ DOTS = ("fp32", "bf16")  # a float model's products: fp16 weights x fp32 (h16), 
 
 
 N8, W4A8, H16, I8, B16 = 0, 1, 2, 3, 4  # a product's kind (`_Q4.kind`), as decoder_layers.c dispatches it
+# per `DOTS` setting, a float model's products: their kernel module, the attribute a layer keeps its pack in, the kind
+_HALF = {"fp32": (half_native, "specquant_h16", H16), "bf16": (bf16_native, "specquant_b16", B16)}
 
 
 class _Q4(ctypes.Structure):
@@ -138,13 +140,12 @@ def _half_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], o
     kept on `owner` while it holds these very weights (plans are rebuilt often, packs once); None where the kernel is
     unavailable or the layout cannot hold them. `dot="bf16"`: the b16 pack of the same weights rounded to bf16
     (`toolkit.quant.bf16_native`) instead; an owner keeps one of the two."""
-    kernel = bf16_native if dot == "bf16" else half_native
+    kernel, attribute, _ = _HALF[dot]
     if not kernel.available() or any(w.dtype != torch.float16 for w in weights):
         return None
     n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
     if not kernel.supports(n, k) or any(w.shape[1] != k for w in weights):
         return None
-    attribute = "specquant_b16" if dot == "bf16" else "specquant_h16"
     cached = getattr(owner, attribute, None)
     if cached is None or len(cached[0]) != len(weights) or any(a is not b for a, b in zip(cached[0], weights)):
         bias = None
@@ -154,10 +155,10 @@ def _half_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], o
         packed = kernel.pack(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0])
         cached = (tuple(weights), packed, bias)
         setattr(owner, attribute, cached)
-        # one setting runs at a time: the other setting's pack (a second copy of the weights) goes
-        other = "specquant_h16" if dot == "bf16" else "specquant_b16"
-        if hasattr(owner, other):
-            delattr(owner, other)
+        # one setting runs at a time: the other settings' packs (second copies of the weights) go
+        for _, other, _ in _HALF.values():
+            if other != attribute and hasattr(owner, other):
+                delattr(owner, other)
     return cached[1], cached[2]
 
 
@@ -179,7 +180,7 @@ def _half_product(pack, modules: list, owner, keep: list, dot: str = "fp32") -> 
     packed, bias = made
     keep += [t for t in made if t is not None]
     return _Q4(packed.data_ptr(), None, None, _ptr(bias), sum(m.weight.shape[0] for m in modules),
-               modules[0].weight.shape[1], 0, B16 if dot == "bf16" else H16)
+               modules[0].weight.shape[1], 0, _HALF[dot][2])
 
 
 W4A8_MAX_ROWS = 2048
@@ -354,8 +355,7 @@ class NativeDecoder:
         dims = _Dims(config.hidden_size, heads, kv_heads, head_dim, plans[0].gate_up.sizes[0], 0, eps, attn.scaling)
         decoder = cls(layers, keep, dims, max_rows, len(plans))
         decoder.head = _head_pack(model, dot)
-        if dot == "bf16":
-            decoder.head_kernel = bf16_native
+        decoder.head_kernel = _HALF[dot][0]
         return decoder, ""
 
     def applies(self, hidden: torch.Tensor, attention_mask, cache) -> bool:
