@@ -396,3 +396,54 @@ def test_awq_gptq_rounding_end_to_end(tiny_llama_dir, tiny_tokenizer):
     assert "rounding" not in layer_quantizer_for(_awq_recipe()).fingerprint()
     with pytest.raises(ValueError, match="awq_rounding"):
         QuantRecipe(method="awq", awq_rounding="nearest")
+
+
+def test_awq_then_gptq_sequential_runs_gptqs_own_pass_on_the_folded_float_model(tiny_llama_dir, tiny_tokenizer,
+                                                                                 tmp_path):
+    """awq_rounding=gptq-sequential: a first pass folds AWQ's scales into the float model (an equivalent model:
+    the same logits, other weights) and rounds nothing; GPTQ's true-sequential pass (GPTAQ included) then
+    quantizes that model. So the codes are exactly those of a plain GPTQ run on the folded model; they differ
+    from the one-pass awq_rounding=gptq codes; a resumed run (state_dir) reuses the saved fold and gives the
+    same codes; gptaq_alpha is refused for the one-pass rounding and allowed here."""
+    import dataclasses
+
+    from toolkit.quant.calibrate import quantize_blockwise, GPTQLayerQuantizer
+
+    batches = calibration_batches(tiny_tokenizer, n_samples=4, seq_len=32, seed=0)
+    recipe = _awq_recipe(calib_dtype="fp32", awq_rounding="gptq-sequential", awq_clip=False, act_order=True,
+                         mse=True, gptaq_alpha=0.5)
+    original = _load(tiny_llama_dir)
+    model = _load(tiny_llama_dir)
+    qsd = make_quantized_state_dict(model, tiny_tokenizer, recipe, progress=False, state_dir=tmp_path / "state")
+    assert set(qsd.weights) == set(quantizable_linears(original, recipe)[0])
+    assert any(k.startswith("AWQ pass: ") for k in qsd.timings) and any(k.startswith("GPTQ pass: ")
+                                                                       for k in qsd.timings)
+    folded = torch.load(tmp_path / "state" / "awq_folded.pt", weights_only=True)["blocks"]
+    norms = [k for k in folded if k.endswith("layernorm.weight")]
+    blocks = decoder_blocks(original)[1]
+    assert any(not torch.equal(folded[k], blocks.state_dict()[k]) for k in norms)  # scales went into the norms
+    # the fold alone keeps the float model's function
+    refolded = _load(tiny_llama_dir)
+    decoder_blocks(refolded)[1].load_state_dict(folded)
+    with torch.no_grad():
+        torch.testing.assert_close(refolded(input_ids=batches).logits, original(input_ids=batches).logits,
+                                   rtol=1e-4, atol=1e-4)
+    # the second pass is GPTQ's own, on that model
+    gptq = dataclasses.replace(recipe, method="gptq", awq_rounding="rtn")
+    plain = quantize_blockwise(refolded, gptq, batches, GPTQLayerQuantizer(gptq), progress=False)
+    for name, qw in qsd.weights.items():
+        assert torch.equal(qw.codes, plain.weights[name].codes), name
+    # resumed from the state: the fold is loaded, not searched again, and the codes are the same
+    resumed = make_quantized_state_dict(_load(tiny_llama_dir), tiny_tokenizer, recipe, progress=False,
+                                        state_dir=tmp_path / "state")
+    assert not any(k.startswith("AWQ pass: ") for k in resumed.timings)
+    assert all(torch.equal(resumed.weights[n].codes, qw.codes) for n, qw in qsd.weights.items())
+    one_pass = make_quantized_state_dict(_load(tiny_llama_dir), tiny_tokenizer,
+                                         dataclasses.replace(recipe, awq_rounding="gptq", gptaq_alpha=0.0),
+                                         progress=False)
+    assert any(not torch.equal(one_pass.weights[n].codes, qw.codes) for n, qw in qsd.weights.items())
+    with pytest.raises(ValueError, match="gptq-sequential"):
+        _awq_recipe(awq_rounding="gptq", gptaq_alpha=0.5)
+    with pytest.raises(ValueError, match="different run"):
+        make_quantized_state_dict(_load(tiny_llama_dir), tiny_tokenizer, dataclasses.replace(recipe, awq_grid=4),
+                                  progress=False, state_dir=tmp_path / "state")

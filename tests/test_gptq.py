@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
+from toolkit.quant.model_quant import QuantRecipe
 from toolkit.quant.primitives import QuantConfig, dequantize
 from toolkit.quant.rtn import rtn_quantize
 
@@ -274,3 +275,48 @@ def test_gptaq_step_is_damped_as_gptqs_own_solve_where_h_is_not_positive_definit
         qw, _ = gptq_quantize(w, h, QuantConfig(4, 32, False), delta_xxt=delta, asym_alpha=1.0)
     assert caught and all("retrying with damp_percent=0.1" in str(w.message) for w in caught)
     assert torch.isfinite(qw.scale).all() and float(qw.dequantize().abs().max()) < 10 * float(w.abs().max())
+
+
+def test_gptaq_step_over_its_bound_is_solved_again_with_more_damping_or_dropped():
+    """`gptaq_max_step`: an input channel that barely varies in the calibration data but drifts (an attention
+    output with a near-constant channel) makes H nearly singular there, and the least-squares step blows up
+    along it. Over the bound the step is solved again with H's damping raised x10 (warned, the bound then
+    held); a bound no damping meets drops the step (plain GPTQ's codes, warned); a step within the bound is the
+    unbounded step exactly (a normal layer is unchanged by the option)."""
+    from toolkit.quant.gptq import _asymmetric_shift, _bounded_shift
+
+    x_float, x, w = _asymmetric_data()
+    no_dead = torch.zeros(IN, dtype=torch.bool)
+    h, delta = 2 / N * x.t() @ x, 2 / N * (x_float - x).t() @ x
+    normal = _asymmetric_shift(w, h, delta, no_dead, 0.01)
+    ratio = float(normal.norm() / w.norm())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the bound: no warning, the same step
+        assert torch.equal(_bounded_shift(w, h, delta, no_dead, 0.01, 1.0, 2 * ratio), normal)
+        assert torch.equal(_bounded_shift(w, h, delta, no_dead, 0.01, 1.0, None), normal)
+
+    z = torch.randn(N, generator=torch.Generator().manual_seed(5))
+    x, x_float = x.clone(), x_float.clone()
+    x[:, 3] = 1e-3 * z  # a channel that barely varies on the quantized path...
+    x_float = x_float + 0.3 * z[:, None]  # ...while the float inputs move with it, in every channel
+    h, delta = 2 / N * x.t() @ x, 2 / N * (x_float - x).t() @ x
+    wild = _asymmetric_shift(w, h, delta, no_dead, 0.0)  # undamped: H's tiny direction amplified ~1e6-fold
+    assert float(wild.norm() / w.norm()) > 1.0  # the blow-up the bound is for
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bounded = _bounded_shift(w, h, delta, no_dead, 0.0, 1.0, 0.25)
+    assert float(bounded.norm() / w.norm()) <= 0.25
+    assert len(caught) == 1 and "solved with damp_percent=" in str(caught[0].message)
+    damp = float(str(caught[0].message).split("damp_percent=")[1].split()[0])
+    assert damp >= 0.01
+    torch.testing.assert_close(bounded, _asymmetric_shift(w, h, delta, no_dead, damp))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dropped, _ = gptq_quantize(w, h, QuantConfig(4, 32, False), delta_xxt=delta, asym_alpha=1.0,
+                                   asym_max_step=1e-9)  # no damping gets a step under that
+    assert any("quantized without it" in str(c.message) for c in caught)
+    plain, _ = gptq_quantize(w, h, QuantConfig(4, 32, False))
+    assert torch.equal(dropped.codes, plain.codes) and torch.equal(dropped.scale, plain.scale)
+    with pytest.raises(ValueError, match="gptaq_max_step"):
+        QuantRecipe(method="gptq", gptaq_alpha=0.5, gptaq_max_step=0)

@@ -362,10 +362,14 @@ class AWQLayerQuantizer:
 
     needs_producers = True  # the driver records which norm output feeds which Linear
 
-    def __init__(self, config: QuantConfig, options: AWQOptions = AWQOptions(), rounding=None):
+    def __init__(self, config: QuantConfig, options: AWQOptions = AWQOptions(), rounding=None,
+                 scales_only: bool = False):
         self.config = config
         self.options = options
         self.rounding = rounding
+        # True: search and fold scales (and clip, if on), round nothing: the driver leaves the weights float
+        # (awq_rounding=gptq-sequential's first pass; GPTQ's own pass rounds the folded model after it)
+        self.scales_only = scales_only
         self.last_report: dict = {}
         self._scales: dict[int, torch.Tensor] = {}  # id(Linear) -> s, this block's
         self._hessians: dict[tuple[int, int], object] = {}  # (id(collector), id(s)) -> HessianAccumulator
@@ -408,5 +412,5 @@ class AWQLayerQuantizer:
 
     def fingerprint(self) -> dict:
         return {"method": "awq", "config": dataclasses.asdict(self.config),
-                "options": dataclasses.asdict(self.options),
+                "options": dataclasses.asdict(self.options), "scales_only": self.scales_only,
                 **({"rounding": self.rounding.fingerprint()} if self.rounding is not None else {})}

@@ -634,6 +634,8 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
 
     # GPTAQ: every block also runs in float over the float model's hidden states (a second stream of inputs)
     float_pass = getattr(layer_quantizer, "needs_float_inputs", False)
+    # AWQ's first pass under awq_rounding=gptq-sequential: scales searched and folded, nothing rounded
+    scales_only = getattr(layer_quantizer, "scales_only", False)
     state = None
     done = 0
     saved_inputs = saved_float = None
@@ -681,8 +683,8 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
             block_kwargs = [_cast_floats(kw, calib) for kw in block_kwargs]
         inputs = _batched(inputs, recipe.calib_batch)
         float_inputs = _batched(float_inputs, recipe.calib_batch) if float_pass else None
-        with tqdm(range(done, len(blocks)), desc=f"blockwise {recipe.method} int{recipe.bits}", unit="block",
-                  disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        with tqdm(range(done, len(blocks)), desc=f"blockwise {_pass_name(recipe, layer_quantizer)} int{recipe.bits}",
+                  unit="block", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
             for i in bar:
                 block, kwargs = blocks[i], block_kwargs[i]
                 if offloaded:
@@ -730,7 +732,7 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                             with timer("block search (AWQ scales, clip)"):
                                 prepare(block, stage_linears, accumulators, producers)
                         solved = {}
-                        for name in stage_linears:
+                        for name in () if scales_only else stage_linears:
                             if name not in solved:
                                 with timer("quantize (GPTQ solve / rounding)"):
                                     solved.update(_quantize_sharing(layer_quantizer, name, stage_linears,
@@ -770,6 +772,13 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                               errors={name: errors[name] for name in ordered}, timings=dict(timer))
 
 
+def _pass_name(recipe: QuantRecipe, layer_quantizer) -> str:
+    """The progress bar's name for a pass: awq_rounding=gptq-sequential runs an AWQ scales pass, then GPTQ's."""
+    if getattr(layer_quantizer, "scales_only", False):
+        return "awq scales"
+    return "gptq" if isinstance(layer_quantizer, GPTQLayerQuantizer) else recipe.method
+
+
 class GPTQLayerQuantizer:
     """GPTQ in the layer-quantizer protocol: a Hessian of each layer's inputs, then `gptq_quantize`."""
 
@@ -788,7 +797,7 @@ class GPTQLayerQuantizer:
         qw, _loss = gptq_quantize(linear.weight, accumulator.hessian, r.config, damp_percent=r.damp_percent,
                                   block_size=r.block_size, act_order=r.act_order, static_groups=r.static_groups,
                                   mse=r.mse, bias=linear.bias, delta_xxt=accumulator.delta_xxt,
-                                  asym_alpha=r.gptaq_alpha)
+                                  asym_alpha=r.gptaq_alpha, asym_max_step=r.gptaq_max_step)
         return qw
 
     def quantize_together(self, linears: list[nn.Linear], accumulator) -> list[QuantizedWeight]:
@@ -798,7 +807,8 @@ class GPTQLayerQuantizer:
         stacked = torch.cat([lin.weight for lin in linears])
         qw, _loss = gptq_quantize(stacked, accumulator.hessian, r.config, damp_percent=r.damp_percent,
                                   block_size=r.block_size, act_order=r.act_order, static_groups=r.static_groups,
-                                  mse=r.mse, delta_xxt=accumulator.delta_xxt, asym_alpha=r.gptaq_alpha)
+                                  mse=r.mse, delta_xxt=accumulator.delta_xxt, asym_alpha=r.gptaq_alpha,
+                                  asym_max_step=r.gptaq_max_step)
         parts, start = [], 0
         for lin in linears:
             rows = slice(start, start + lin.out_features)
@@ -813,7 +823,7 @@ class GPTQLayerQuantizer:
         r = self.recipe
         return {"method": "gptq", "config": dataclasses.asdict(r.config), "damp_percent": r.damp_percent,
                 "block_size": r.block_size, "act_order": r.act_order, "static_groups": r.static_groups, "mse": r.mse,
-                "gptaq_alpha": r.gptaq_alpha}
+                "gptaq_alpha": r.gptaq_alpha, "gptaq_max_step": r.gptaq_max_step}
 
 
 def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, progress: bool = True,
@@ -833,12 +843,62 @@ def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, 
         return quantize_blockwise(model, recipe, batches, RTNLayerQuantizer(recipe.config, recipe.mse),
                                   progress=progress)
     batches = calibration_batches(tokenizer, recipe.dataset, recipe.n_samples, recipe.seq_len)
+    if recipe.method == "awq" and recipe.awq_rounding == "gptq-sequential":
+        return _awq_then_gptq(model, recipe, batches, device, progress, state_dir)
     return quantize_blockwise(model, recipe, batches, layer_quantizer_for(recipe, device), progress=progress,
                               state_dir=state_dir)
 
 
+def _awq_then_gptq(model: nn.Module, recipe: QuantRecipe, batches: torch.Tensor, device, progress: bool,
+                   state_dir) -> QuantizedStateDict:
+    """``awq_rounding=gptq-sequential``: AWQ's scale search over the float model (every block on the float
+    model's hidden states, scales folded into norms and Linears, nothing rounded: an equivalent float model),
+    then GPTQ's own true-sequential pass (GPTAQ included) on it. GPTQ then rounds weights whose activation-heavy
+    input channels AWQ has scaled up, and each layer sees the quantized layers before it, which the one-pass
+    ``awq_rounding=gptq`` cannot give it. With ``state_dir`` the folded blocks are kept there, so a resumed run
+    skips the first pass and the second resumes from its last finished block."""
+    if has_offloaded(model):
+        raise ValueError("awq_rounding=gptq-sequential folds AWQ's scales into the whole float model before GPTQ "
+                         "runs, so it cannot run on an offloaded model (max_memory); use awq_rounding=gptq, or "
+                         "load the model into RAM")
+    _, blocks = decoder_blocks(model)
+    # the first pass's recipe: AWQ's own knobs; GPTQ's set to their defaults (a resumed run that changes only them
+    # reuses the fold)
+    gptq_only = ("damp_percent", "act_order", "static_groups", "block_size", "mse", "gptaq_alpha", "gptaq_max_step")
+    defaults = {f.name: f.default for f in dataclasses.fields(QuantRecipe) if f.name in gptq_only}
+    first = dataclasses.replace(recipe, awq_next_inputs="float", **defaults)
+    options = awq_options(recipe, device)
+    folded = None
+    if state_dir is not None:
+        folded = Path(state_dir) / "awq_folded.pt"
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+    record = {"recipe": first.to_dict(), "model": _model_fingerprint(model), "options": dataclasses.asdict(options),
+              "batches_sha256": hashlib.sha256(batches.cpu().numpy().tobytes()).hexdigest()}
+    timings: dict[str, float] = {}
+    if folded is not None and folded.exists():
+        saved = torch.load(folded, weights_only=True)
+        if saved["record"] != json.dumps(record, sort_keys=True):
+            raise ValueError(f"{folded} belongs to a different run (recipe, model or data differ); use another "
+                             f"state_dir or delete it")
+        blocks.load_state_dict(saved["blocks"])
+    else:
+        scaled = quantize_blockwise(model, first, batches,
+                                    AWQLayerQuantizer(recipe.config, options, scales_only=True), progress=progress)
+        timings.update({f"AWQ pass: {k}": v for k, v in scaled.timings.items()})
+        if folded is not None:
+            _atomic_save({"record": json.dumps(record, sort_keys=True), "blocks": blocks.state_dict()}, folded)
+    result = quantize_blockwise(model, recipe, batches, GPTQLayerQuantizer(recipe), progress=progress,
+                                state_dir=state_dir)
+    timings.update({f"GPTQ pass: {k}": v for k, v in result.timings.items()})
+    return dataclasses.replace(result, timings=timings)
+
+
 def layer_quantizer_for(recipe: QuantRecipe, device="cpu"):
-    """The layer quantizer (driver protocol) a recipe's method uses."""
+    """The layer quantizer (driver protocol) a recipe's method uses (one pass; ``awq_rounding=gptq-sequential``
+    runs two, `make_quantized_state_dict`)."""
+    if recipe.method == "awq" and recipe.awq_rounding == "gptq-sequential":
+        raise ValueError("awq_rounding=gptq-sequential runs two passes (AWQ's scales, then GPTQ); call "
+                         "make_quantized_state_dict, not one layer quantizer")
     if recipe.method == "gptq":
         return GPTQLayerQuantizer(recipe)
     if recipe.method == "awq":

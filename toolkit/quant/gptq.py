@@ -135,6 +135,35 @@ def _asymmetric_shift(w: torch.Tensor, h: torch.Tensor, delta_xxt: torch.Tensor,
     return torch.cholesky_solve((w @ delta).t(), lower).t()
 
 
+def _bounded_shift(w: torch.Tensor, h: torch.Tensor, delta_xxt: torch.Tensor, dead: torch.Tensor,
+                   damp_percent: float, alpha: float, max_step: float | None) -> torch.Tensor:
+    """``alpha W Δ H⁻¹``, its Frobenius norm at most ``max_step`` times W's (None: unbounded). The step solves a
+    least-squares problem on the calibration inputs; where their H is nearly singular in some direction (an
+    attention output with near-constant channels), the solve amplifies Δ there and the step can dwarf W itself
+    (SmolLM2 block 7's o_proj: 3.3x W's norm, that layer's relative error 2.7; normal steps are 0.001-0.07 of
+    W; README "AWQ scales, then GPTAQ"). A step over the bound is solved again with H's damping raised x10 (a
+    stronger ridge: it keeps the well-determined part of the step and drops the noise), up to `_DAMP_RETRIES`
+    times; a step still over it is dropped (that layer gets plain GPTQ). Each is warned about."""
+    norm_w = float(w.norm())
+    damp, first = damp_percent, None
+    for attempt in range(_DAMP_RETRIES + 1):
+        step = alpha * _asymmetric_shift(w, h, delta_xxt, dead, damp)
+        tried = damp
+        ratio = float(step.norm()) / max(norm_w, 1e-30)
+        first = ratio if first is None else first
+        if max_step is None or ratio <= max_step:
+            if attempt:
+                warnings.warn(f"GPTAQ: the step for a {w.shape[0]}x{w.shape[1]} layer was {first:.3g} x its weight's "
+                              f"norm, over gptaq_max_step={max_step:g}; solved with damp_percent={damp:g} "
+                              f"({ratio:.3g} x)", RuntimeWarning, stacklevel=3)
+            return step
+        damp = damp * 10 if damp > 0 else 0.01
+    warnings.warn(f"GPTAQ: the step for a {w.shape[0]}x{w.shape[1]} layer was {first:.3g} x its weight's norm and "
+                  f"stayed over gptaq_max_step={max_step:g} up to damp_percent={tried:g}; that layer is quantized without it (plain "
+                  f"GPTQ)", RuntimeWarning, stacklevel=3)
+    return torch.zeros_like(w)
+
+
 def _fake_quant(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int):
     """Codes and their values for one column, exactly the formulas of `primitives.quantize` / `dequantize`."""
     code = (torch.round(w / scale) + zero.to(torch.float32)).clamp(0, maxq)
@@ -144,7 +173,7 @@ def _fake_quant(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConfig, *, damp_percent: float = 0.01,
                   block_size: int = 128, act_order: bool = False, static_groups: bool = False, mse: bool = False,
                   bias: torch.Tensor | None = None, delta_xxt: torch.Tensor | None = None,
-                  asym_alpha: float = 0.25) -> tuple[QuantizedWeight, float]:
+                  asym_alpha: float = 0.25, asym_max_step: float | None = None) -> tuple[QuantizedWeight, float]:
     """GPTQ-quantize ``weight [out, in]`` given the input Hessian ``hessian [in, in]`` (see `HessianAccumulator`).
 
     Options (the reference's knobs): ``damp_percent`` — ``damp_percent * mean(diag H)`` is added to the diagonal
@@ -158,7 +187,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     inputs ``x`` it really gets (through the quantized layers before it), not to ``W x``. Since
     ``|W X̃ - Q X|² = |W X̃ - W* X|² + |(W* - Q) X|²`` for the least-squares ``W* = W + W Δ H⁻¹``, that is GPTQ
     run on ``W*`` with the same H; ``asym_alpha`` scales the step (0.25 by default, the paper's; the recipes use
-    0.5: the full step scored worse on SmolLM2, README "GPTAQ"). H is damped for the step as for GPTQ's solve.
+    0.5: the full step scored worse on SmolLM2, README "GPTAQ"). H is damped for the step as for GPTQ's solve;
+    ``asym_max_step`` bounds the step's norm relative to W's (`_bounded_shift`: over it, solved again with more
+    damping, else dropped).
     Input channels with ``H[i, i] == 0`` never fire: their weights become 0.
 
     Returns the `QuantizedWeight` (codes/scale/zero in the ORIGINAL column order; with ``act_order`` a ``g_idx``
@@ -185,7 +216,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     h[dead, dead] = 1.0
     w_all[:, dead] = 0.0
     if delta_xxt is not None and asym_alpha > 0:
-        w_all += asym_alpha * _asymmetric_shift(w_all, h, delta_xxt.detach().to(h), dead, damp_percent)
+        w_all += _bounded_shift(w_all, h, delta_xxt.detach().to(h), dead, damp_percent, asym_alpha, asym_max_step)
 
     scale = torch.empty(out, n_groups, dtype=torch.float32, device=w_all.device)
     zero = torch.empty(out, n_groups, dtype=torch.int32, device=w_all.device)

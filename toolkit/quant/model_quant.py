@@ -29,6 +29,7 @@ from toolkit.quant.rtn import rtn_quantize
 
 METHODS = ("rtn", "gptq", "awq")  # gptq and awq need calibration data
 CALIB_DTYPES = ("fp32", "bf16", "auto")
+AWQ_ROUNDINGS = ("rtn", "gptq", "gptq-sequential")
 DEFAULT_SKIP = ("lm_head",)
 
 
@@ -61,6 +62,10 @@ class QuantRecipe:
     # 0.25; 1 = the full least-squares step), 0 = off (plain GPTQ). Costs one more float forward of each block and
     # the block's float layer inputs in memory
     gptaq_alpha: float = 0.0
+    # GPTAQ: the step's Frobenius norm at most this times the weight's; a larger one is solved again with H's damping
+    # raised x10 (up to 4 times), else dropped for that layer (plain GPTQ), with a warning. Normal steps are
+    # 0.001-0.07 of the weight; an ill-conditioned H made one 3.3x (README "AWQ scales, then GPTAQ")
+    gptaq_max_step: float = 0.25
     # GPTQ: quantize a block's q,k,v | o | gate,up | down in turn, each on inputs through the quantized earlier ones
     true_sequential: bool = True
     # GPTQ, AWQ: the dtype the calibration forwards run in (block copies, activations; GPTQ's Hessians averaged in
@@ -85,8 +90,11 @@ class QuantRecipe:
     # forward per block) or "quantized" (block i after scaling, clipping and rounding, as GPTQ does: a second
     # forward). Same quality on SmolLM2 (KL 0.123 vs 0.124), float 1.4x faster
     awq_next_inputs: str = "float"
-    # how AWQ rounds the scaled, clipped weights: "rtn" (the paper's round-to-nearest) or "gptq" (GPTQ's error
-    # feedback under the scaled inputs' Hessian, with the GPTQ knobs above: damp_percent, act_order, ...)
+    # how AWQ rounds the scaled, clipped weights: "rtn" (the paper's round-to-nearest), "gptq" (GPTQ's error
+    # feedback under the scaled inputs' Hessian, with the GPTQ knobs above: damp_percent, act_order, ..., in the
+    # same pass, each layer on its float sublayers' inputs) or "gptq-sequential" (two passes: AWQ's scale search
+    # over the float model, scales folded and weights left float; then GPTQ's own true-sequential pass on that
+    # equivalent model, GPTAQ included when gptaq_alpha > 0)
     awq_rounding: str = "rtn"
     # calibration data for data-aware methods: windows from the calibration split of `dataset`
     dataset: str = "pydoc"
@@ -102,16 +110,22 @@ class QuantRecipe:
                              f"got {self.calib_dtype!r}")
         if self.awq_next_inputs not in ("quantized", "float"):
             raise ValueError(f"QuantRecipe.awq_next_inputs must be quantized or float; got {self.awq_next_inputs!r}")
-        if self.awq_rounding not in ("rtn", "gptq"):
-            raise ValueError(f"QuantRecipe.awq_rounding must be rtn or gptq; got {self.awq_rounding!r}")
+        if self.awq_rounding not in AWQ_ROUNDINGS:
+            raise ValueError(f"QuantRecipe.awq_rounding must be one of {', '.join(AWQ_ROUNDINGS)}; "
+                             f"got {self.awq_rounding!r}")
         if self.gptaq_alpha < 0:
             raise ValueError(f"QuantRecipe.gptaq_alpha must be >= 0 (0 = plain GPTQ, 0.25 = GPTAQ's); "
                              f"got {self.gptaq_alpha}")
-        if self.gptaq_alpha > 0 and self.method != "gptq":
-            raise ValueError(f"QuantRecipe.gptaq_alpha (GPTAQ's asymmetric calibration) applies to method=gptq; this "
-                             f"recipe is method={self.method}: set gptaq_alpha=0 or method=gptq (AWQ's GPTQ rounding "
-                             f"quantizes a block's layers on its float sublayers' outputs, not true-sequentially, so "
-                             f"each layer would correct the same drift again)")
+        if not self.gptaq_max_step > 0:
+            raise ValueError(f"QuantRecipe.gptaq_max_step must be > 0 (the GPTAQ step's largest norm relative to the "
+                             f"weight's; 0.25 by default); got {self.gptaq_max_step}")
+        if self.gptaq_alpha > 0 and not self.gptq_pass:
+            raise ValueError(f"QuantRecipe.gptaq_alpha (GPTAQ's asymmetric calibration) applies to method=gptq or "
+                             f"to method=awq with awq_rounding=gptq-sequential; this recipe is method={self.method}"
+                             f"{', awq_rounding=' + self.awq_rounding if self.method == 'awq' else ''}: set "
+                             f"gptaq_alpha=0 or one of those (awq_rounding=gptq quantizes a block's layers on its "
+                             f"float sublayers' outputs, not true-sequentially, so each layer would correct the "
+                             f"same drift again)")
         if self.gptaq_alpha > 0 and not self.true_sequential:
             raise ValueError("QuantRecipe.gptaq_alpha needs true_sequential=true: each layer's correction assumes the "
                              "layers before it in the block are already quantized (and corrected); with one stage, "
@@ -122,6 +136,11 @@ class QuantRecipe:
         object.__setattr__(self, "skip", _patterns(self.skip, "skip"))
         if self.modules is not None:
             object.__setattr__(self, "modules", _patterns(self.modules, "modules"))
+
+    @property
+    def gptq_pass(self) -> bool:
+        """Whether GPTQ's own true-sequential blockwise pass quantizes (method gptq, or AWQ's second pass)."""
+        return self.method == "gptq" or (self.method == "awq" and self.awq_rounding == "gptq-sequential")
 
     @property
     def config(self) -> QuantConfig:
