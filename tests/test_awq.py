@@ -407,7 +407,7 @@ def test_awq_then_gptq_sequential_runs_gptqs_own_pass_on_the_folded_float_model(
     same codes; gptaq_alpha is refused for the one-pass rounding and allowed here."""
     import dataclasses
 
-    from toolkit.quant.calibrate import quantize_blockwise, GPTQLayerQuantizer
+    from toolkit.quant.calibrate import GPTQLayerQuantizer, quantize_blockwise
 
     batches = calibration_batches(tiny_tokenizer, n_samples=4, seq_len=32, seed=0)
     recipe = _awq_recipe(calib_dtype="fp32", awq_rounding="gptq-sequential", awq_clip=False, act_order=True,

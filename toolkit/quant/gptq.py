@@ -159,8 +159,8 @@ def _bounded_shift(w: torch.Tensor, h: torch.Tensor, delta_xxt: torch.Tensor, de
             return step
         damp = damp * 10 if damp > 0 else 0.01
     warnings.warn(f"GPTAQ: the step for a {w.shape[0]}x{w.shape[1]} layer was {first:.3g} x its weight's norm and "
-                  f"stayed over gptaq_max_step={max_step:g} up to damp_percent={tried:g}; that layer is quantized without it (plain "
-                  f"GPTQ)", RuntimeWarning, stacklevel=3)
+                  f"stayed over gptaq_max_step={max_step:g} up to damp_percent={tried:g}; that layer is quantized "
+                  f"without it (plain GPTQ)", RuntimeWarning, stacklevel=3)
     return torch.zeros_like(w)
 
 
