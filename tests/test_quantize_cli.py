@@ -229,6 +229,8 @@ def test_unknown_recipe_name_lists_the_known_ones(tiny_llama_dir, tmp_path):
 
 
 def test_every_shipped_recipe_is_a_valid_quant_recipe():
+    import dataclasses
+
     from omegaconf import OmegaConf
 
     from toolkit.cli.app import CONF_DIR, RECIPES_DIR
@@ -237,10 +239,17 @@ def test_every_shipped_recipe_is_a_valid_quant_recipe():
     names = sorted(RECIPES_DIR.glob("*/*.yaml"))
     assert {"smollm2-135m/" + n for n in ("rtn-w8", "rtn-w4g64", "gptq-w4g64", "gptq-w4g64-actorder", "awq-w4g64",
                                           "gptq-w3g64", "gptq-w8")} <= {f"{p.parent.name}/{p.stem}" for p in names}
+    groups = {p.stem: set(OmegaConf.to_container(OmegaConf.load(p))) for p in (CONF_DIR / "quantize").glob("*.yaml")}
+    # the config groups are hydra structs: a key a recipe sets must be in each, or `specquant quantize` refuses it
+    fields = {f.name for f in dataclasses.fields(QuantRecipe)} - {"skip", "modules"}
+    for group, keys in groups.items():
+        assert fields <= keys, (group, sorted(fields - keys))
     for path in names:
         recipe = OmegaConf.to_container(OmegaConf.load(path))
         assert (CONF_DIR / "model" / f"{recipe['model']}.yaml").is_file(), path
         QuantRecipe(**recipe["quantize"])  # raises on a bad key or value
+        for group, keys in groups.items():
+            assert set(recipe["quantize"]) <= keys, (path, group, sorted(set(recipe["quantize"]) - keys))
 
 
 def test_quantize_reexecs_with_huge_page_malloc_unless_told_not_to(monkeypatch):
