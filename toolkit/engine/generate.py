@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.engine.lean_forward import one_token_forward
 from toolkit.engine.precision import bf16_prefill, exact_linears, overflowed
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.engine.timing import GenerationTiming, Stopwatch
@@ -104,9 +105,8 @@ def decode_step(model, tokens, attention_mask, position_ids, cache) -> torch.Ten
     takes the lean forward's one-token path (`LeanForward.one_token`: the same logits, without the call's tensors and
     module plumbing around the stack; no overflow check, as the stack sums in fp32)."""
     compiled = getattr(model, "specquant_decode_forward", None)
-    lean = model.__dict__.get("forward")
-    if (compiled is None and attention_mask is None and tokens.shape[0] == 1 and hasattr(lean, "one_token")
-            and lean.takes_read_splits()):
+    lean = one_token_forward(model) if compiled is None and attention_mask is None and tokens.shape[0] == 1 else None
+    if lean is not None:
         logits = lean.one_token(int(tokens[0, 0]), int(position_ids[0, -1]), cache)
         if logits is not None:
             return logits[:, -1]

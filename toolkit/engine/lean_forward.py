@@ -505,6 +505,14 @@ def _rotary_table(rotary, hidden: torch.Tensor, need: int) -> tuple[torch.Tensor
     return table
 
 
+def one_token_forward(model):
+    """The model's installed `LeanForward` when its one-token path (`LeanForward.one_token`) may apply, else None;
+    `one_token` itself still returns None where the native stack cannot run a call. Both one-token callers (the
+    engine's decode step, a speculative `RaggedBatch`) ask here."""
+    lean = model.__dict__.get("forward")
+    return lean if hasattr(lean, "one_token") and lean.takes_read_splits() else None
+
+
 class LeanForward:
     """Stands in for the model's `forward` (see `install`): input_ids, attention_mask, position_ids, an explicit
     `cache`, logits_to_keep. Any other request (inputs_embeds, labels, hidden states, no cache with use_cache), and

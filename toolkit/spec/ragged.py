@@ -18,6 +18,7 @@ sliding-window models are not token-identical to running each sequence alone (on
 import torch
 
 from toolkit.engine.generate import takes_logits_to_keep
+from toolkit.engine.lean_forward import one_token_forward
 from toolkit.engine.precision import exact_linears, overflowed
 
 
@@ -99,8 +100,8 @@ class RaggedBatch:
     def _one_token(self, token: int, position: int) -> torch.Tensor | None:
         """`_run` of one token through `LeanForward.one_token` (the same arithmetic), or None where that does not
         apply (the caller runs it the general way)."""
-        lean = self.model.__dict__.get("forward")
-        if self.forward is not self.model or not getattr(lean, "takes_read_splits", lambda: False)():
+        lean = one_token_forward(self.model) if self.forward is self.model else None
+        if lean is None:
             return None
         # no overflow check (`_run`'s): the native stack holds activations in fp32 and sums every product in fp32
         # (fp16 or bf16 weights, bf16 activations at most), so no fp16 overflow can come out of it
