@@ -134,6 +134,26 @@ def test_gptq_through_the_cli_writes_a_checkpoint_generate_runs(tiny_llama_dir, 
     assert gen.returncode == 0, gen.stderr
 
 
+def test_scale_tuning_through_the_cli_reports_the_kl_and_keeps_the_codes(tiny_llama_dir, tmp_path):
+    """`quantize.tune_scales_epochs`: the summary prints the KL before and after, the manifest records the knobs,
+    and the checkpoint holds RTN's very codes and zeros with other scales."""
+    from toolkit.quant.checkpoint import load_quantized, read_manifest
+
+    common = ("quantize=rtn-int4", "quantize.group_size=32", "quantize.n_samples=4", "quantize.seq_len=32")
+    plain, tuned = tmp_path / "rtn", tmp_path / "rtn-tuned"
+    assert specquant("quantize", f"model={tiny_llama_dir}", *common, f"out={plain}").returncode == 0
+    run = specquant("quantize", f"model={tiny_llama_dir}", *common, "quantize.tune_scales_epochs=1",
+                    "quantize.tune_scales_lr=0.003", f"out={tuned}")
+    assert run.returncode == 0, run.stderr
+    assert "scale tuning: 4 steps" in run.stdout and "KL to the float model" in run.stdout, run.stdout
+    assert read_manifest(tuned)["recipe"]["tune_scales_epochs"] == 1
+    _, before, _ = load_quantized(plain)
+    _, after, _ = load_quantized(tuned)
+    for name, qw in after.weights.items():
+        assert torch.equal(qw.codes, before.weights[name].codes) and torch.equal(qw.zero, before.weights[name].zero)
+        assert not torch.equal(qw.scale, before.weights[name].scale), name
+
+
 @pytest.mark.real_model
 def test_gptq_beats_rtn_on_smollm2_held_out_text(smollm2):
     """GPTQ's reason to exist: at int4 g64 its KL to the fp32 model on evaluation text (never calibrated on) is

@@ -104,6 +104,11 @@ def run(cfg) -> Path:
                   f"{recipe.group_size}{calib}) in {seconds:.1f} s; peak RSS {peak_rss_bytes() / 2**30:.2f} GiB")
     console.print(f"quantized layers: {before / 1e6:.1f} MB at fp16 -> {after / 1e6:.1f} MB "
                   f"({before / max(after, 1):.2f}x smaller); checkpoint tensors {(out / TENSORS).stat().st_size / 1e6:.1f} MB")
+    if qsd.tuning:
+        before = qsd.tuning["kl_before"]
+        console.print(f"scale tuning: {qsd.tuning['steps']} steps in {qsd.tuning['seconds']:.1f} s; KL to the float "
+                      f"model on the first calibration windows {'(resumed)' if before is None else f'{before:.4f}'} "
+                      f"-> {qsd.tuning['kl_after']:.4f} (the per-layer errors above are the method's, before it)")
     if qsd.timings:
         console.print("time by phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in qsd.timings.items()))
     console.print(f"left in float: {', '.join(n for n, _ in qsd.skipped) or 'none'}")

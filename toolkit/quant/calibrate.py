@@ -52,6 +52,7 @@ rather than mixing runs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -530,8 +531,8 @@ def _forward_dtype(recipe: QuantRecipe, offloaded: bool, device) -> torch.dtype 
     """The dtype of a run's calibration forwards, or None for the model's own. GPTQ and AWQ may run them on a bf16
     copy of each block (`calibration_dtype`; AWQ folds and clips the fp32 block itself, then takes a fresh copy
     for an outputs pass); an offloaded block is accelerate's to move, and RTN needs no data: those stay as they
-    are."""
-    if recipe.method not in BF16_METHODS or offloaded:
+    are. Scale tuning's forwards (any method) run in it too."""
+    if (recipe.method not in BF16_METHODS and not recipe.tune_scales_epochs) or offloaded:
         return None
     return calibration_dtype(recipe, device)
 
@@ -645,7 +646,9 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
         state = Path(state_dir)
         state.mkdir(parents=True, exist_ok=True)
         fingerprint = getattr(layer_quantizer, "fingerprint", None)
-        record = {"version": _STATE_VERSION, "recipe": recipe.to_dict(), "model": _model_fingerprint(model),
+        # the scale-tuning knobs act after this driver (a resumed run that changes only them reuses its blocks)
+        record = {"version": _STATE_VERSION, "recipe": _without_tuning(recipe).to_dict(),
+                  "model": _model_fingerprint(model),
                   "n_blocks": len(blocks), "batches_sha256": hashlib.sha256(batches.cpu().numpy().tobytes())
                   .hexdigest() + f":{tuple(batches.shape)}",
                   "quantizer": fingerprint() if callable(fingerprint) else type(layer_quantizer).__name__}
@@ -828,25 +831,64 @@ class GPTQLayerQuantizer:
 
 def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, progress: bool = True,
                               state_dir: str | os.PathLike | None = None) -> QuantizedStateDict:
-    """The one entry point for `specquant quantize`: RTN needs no data; GPTQ and AWQ calibrate block by block.
+    """The one entry point for `specquant quantize`: RTN needs no data; GPTQ and AWQ calibrate block by block;
+    with ``recipe.tune_scales_epochs`` the scales the method chose are then tuned end to end (`_tune_scales`).
 
     The recipe the result carries (and the checkpoint's manifest records) names the calibration dtype the run
     used: ``calib_dtype=auto`` becomes bf16 or fp32; fp32 for the methods and offloaded models that never use bf16.
     """
     device = next(model.parameters()).device
-    bf16 = _forward_dtype(recipe, has_offloaded(model), device) is not None
+    offloaded = has_offloaded(model)
+    bf16 = _forward_dtype(recipe, offloaded, device) is not None
     recipe = dataclasses.replace(recipe, calib_dtype="bf16" if bf16 else "fp32")
-    if recipe.method == "rtn" and not has_offloaded(model):
-        return quantize_model(model, recipe, progress=progress)
-    if recipe.method == "rtn":  # an offloaded model is walked block by block; RTN needs just one short window
+    teacher = None
+    if recipe.tune_scales_epochs:
+        if offloaded:
+            raise ValueError("tune_scales_epochs trains the scales through the whole model beside a float copy of it, "
+                             "so it cannot run on an offloaded model (max_memory); set tune_scales_epochs=0, or load "
+                             "the model into RAM")
+        teacher = copy.deepcopy(model).eval()  # the float model, before any fold or rounding touches it
+    if recipe.method == "rtn" and offloaded:  # walked block by block; RTN needs just one short window
         batches = calibration_batches(tokenizer, recipe.dataset, 1, 16)
         return quantize_blockwise(model, recipe, batches, RTNLayerQuantizer(recipe.config, recipe.mse),
                                   progress=progress)
-    batches = calibration_batches(tokenizer, recipe.dataset, recipe.n_samples, recipe.seq_len)
-    if recipe.method == "awq" and recipe.awq_rounding == "gptq-sequential":
-        return _awq_then_gptq(model, recipe, batches, device, progress, state_dir)
-    return quantize_blockwise(model, recipe, batches, layer_quantizer_for(recipe, device), progress=progress,
-                              state_dir=state_dir)
+    batches = None
+    if recipe.method != "rtn" or teacher is not None:
+        batches = calibration_batches(tokenizer, recipe.dataset, recipe.n_samples, recipe.seq_len)
+    if recipe.method == "rtn":
+        qsd = quantize_model(model, recipe, progress=progress)
+    elif recipe.method == "awq" and recipe.awq_rounding == "gptq-sequential":
+        qsd = _awq_then_gptq(model, recipe, batches, device, progress, state_dir)
+    else:
+        qsd = quantize_blockwise(model, recipe, batches, layer_quantizer_for(recipe, device), progress=progress,
+                                 state_dir=state_dir)
+    if teacher is not None:
+        qsd = _tune_scales(model, teacher, qsd, batches, recipe, device, progress, state_dir)
+    return qsd
+
+
+def _without_tuning(recipe: QuantRecipe) -> QuantRecipe:
+    """The recipe with the scale-tuning knobs at their defaults: what a calibrating pass's resume record holds."""
+    tuning = ("tune_scales_epochs", "tune_scales_lr", "tune_scales_batch")
+    return dataclasses.replace(recipe, **{f.name: f.default for f in dataclasses.fields(QuantRecipe)
+                                          if f.name in tuning})
+
+
+def _tune_scales(model: nn.Module, teacher: nn.Module, qsd: QuantizedStateDict, batches: torch.Tensor,
+                 recipe: QuantRecipe, device, progress: bool, state_dir) -> QuantizedStateDict:
+    """The method's codes and zeros kept, its scales trained to lower KL(teacher || model) on ``batches``."""
+    from toolkit.quant.scale_tuning import ScaleTuneOptions, tune_scales
+
+    options = ScaleTuneOptions(epochs=recipe.tune_scales_epochs, lr=recipe.tune_scales_lr,
+                               batch=recipe.tune_scales_batch, dtype=calibration_dtype(recipe, device))
+    state_path = None
+    if state_dir is not None:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        state_path = Path(state_dir) / "scale_tune.pt"
+    weights, report = tune_scales(model, teacher, qsd.weights, batches, options, progress=progress,
+                                  state_path=state_path)
+    return dataclasses.replace(qsd, weights=weights, tuning=report,
+                               timings={**qsd.timings, "scale tuning": report["seconds"]})
 
 
 def _awq_then_gptq(model: nn.Module, recipe: QuantRecipe, batches: torch.Tensor, device, progress: bool,
@@ -866,7 +908,7 @@ def _awq_then_gptq(model: nn.Module, recipe: QuantRecipe, batches: torch.Tensor,
     # reuses the fold)
     gptq_only = ("damp_percent", "act_order", "static_groups", "block_size", "mse", "gptaq_alpha", "gptaq_max_step")
     defaults = {f.name: f.default for f in dataclasses.fields(QuantRecipe) if f.name in gptq_only}
-    first = dataclasses.replace(recipe, awq_next_inputs="float", **defaults)
+    first = _without_tuning(dataclasses.replace(recipe, awq_next_inputs="float", **defaults))
     options = awq_options(recipe, device)
     folded = None
     if state_dir is not None:

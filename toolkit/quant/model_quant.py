@@ -96,6 +96,13 @@ class QuantRecipe:
     # over the float model, scales folded and weights left float; then GPTQ's own true-sequential pass on that
     # equivalent model, GPTAQ included when gptaq_alpha > 0)
     awq_rounding: str = "rtn"
+    # any method: after the codes are chosen, train each group's scale end to end (codes and zeros fixed) to lower
+    # KL(float model || quantized model) on the calibration windows (toolkit.quant.scale_tuning; EfficientQAT's
+    # E2E-QP with only the scales). Passes over the windows (0 = off), Adam's learning rate on log(scale), windows
+    # per step. Costs a float copy of the model in RAM and ~3 forwards of the whole model per window and pass
+    tune_scales_epochs: int = 0
+    tune_scales_lr: float = 5e-4
+    tune_scales_batch: int = 1
     # calibration data for data-aware methods: windows from the calibration split of `dataset`
     dataset: str = "pydoc"
     n_samples: int = 128
@@ -130,6 +137,10 @@ class QuantRecipe:
             raise ValueError("QuantRecipe.gptaq_alpha needs true_sequential=true: each layer's correction assumes the "
                              "layers before it in the block are already quantized (and corrected); with one stage, "
                              "o, gate/up and down would correct the drift q,k,v already corrected")
+        if self.tune_scales_epochs < 0 or self.tune_scales_batch < 1 or not self.tune_scales_lr > 0:
+            raise ValueError(f"QuantRecipe: scale tuning needs tune_scales_epochs >= 0 (0 = off), tune_scales_batch >= "
+                             f"1 and tune_scales_lr > 0; got {self.tune_scales_epochs}, {self.tune_scales_batch}, "
+                             f"{self.tune_scales_lr}")
         if self.calib_batch < 0:
             raise ValueError(f"QuantRecipe.calib_batch must be >= 0 (0 = all samples in one forward); "
                              f"got {self.calib_batch}")
@@ -201,6 +212,8 @@ class QuantizedStateDict:
     errors: dict[str, float] = dataclasses.field(default_factory=dict)
     # where the calibrating driver's time went, seconds by phase (not saved in checkpoints)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    # scale tuning's report (toolkit.quant.scale_tuning.tune_scales), when the recipe tuned the scales
+    tuning: dict | None = None
 
     def __len__(self) -> int:
         return len(self.weights)
