@@ -85,20 +85,20 @@ def test_a_killed_tuning_run_resumes_from_its_state_and_takes_the_same_steps(tin
     whole, _ = tune_scales(model, _load(tiny_llama_dir), weights, batches, options, progress=False)
 
     monkeypatch.setattr(scale_tuning, "SAVE_EVERY", 2)
-    save = scale_tuning._atomic_save
+    save = scale_tuning.save_torch_atomic
 
     def killed_after_step_4(obj, path):
         save(obj, path)
         if obj["step"] == 4:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(scale_tuning, "_atomic_save", killed_after_step_4)
+    monkeypatch.setattr(scale_tuning, "save_torch_atomic", killed_after_step_4)
     state = tmp_path / "scale_tune.pt"
     model, weights = quantized()
     with pytest.raises(KeyboardInterrupt):
         tune_scales(model, _load(tiny_llama_dir), weights, batches, options, progress=False, state_path=state)
     assert not any(parametrize.is_parametrized(m) for m in model.modules())  # left a plain model
-    monkeypatch.setattr(scale_tuning, "_atomic_save", save)
+    monkeypatch.setattr(scale_tuning, "save_torch_atomic", save)
     model, weights = quantized()
     resumed, report = tune_scales(model, _load(tiny_llama_dir), weights, batches, options, progress=False,
                                   state_path=state)

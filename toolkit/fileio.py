@@ -30,6 +30,21 @@ def write_json_atomic(path: str | os.PathLike, data: dict, **dump_kwargs) -> Pat
     return path
 
 
+def save_torch_atomic(obj, path: str | os.PathLike) -> Path:
+    """``torch.save`` through a temp file in the same folder, then os.replace (a crash leaves the old file)."""
+    import torch  # not at module level: the rest of this module serves callers that never load torch
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

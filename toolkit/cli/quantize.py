@@ -105,9 +105,10 @@ def run(cfg) -> Path:
     console.print(f"quantized layers: {before / 1e6:.1f} MB at fp16 -> {after / 1e6:.1f} MB "
                   f"({before / max(after, 1):.2f}x smaller); checkpoint tensors {(out / TENSORS).stat().st_size / 1e6:.1f} MB")
     if qsd.tuning:
-        before = qsd.tuning["kl_before"]
+        kl_before = qsd.tuning["kl_before"]
         console.print(f"scale tuning: {qsd.tuning['steps']} steps in {qsd.tuning['seconds']:.1f} s; KL to the float "
-                      f"model on the first calibration windows {'(resumed)' if before is None else f'{before:.4f}'} "
+                      f"model on the first calibration windows "
+                      f"{'(resumed)' if kl_before is None else f'{kl_before:.4f}'} "
                       f"-> {qsd.tuning['kl_after']:.4f} (the per-layer errors above are the method's, before it)")
     if qsd.timings:
         console.print("time by phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in qsd.timings.items()))

@@ -66,6 +66,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from toolkit.fileio import save_torch_atomic
 from toolkit.quant.model_quant import (
     QuantizedStateDict,
     QuantRecipe,
@@ -580,12 +581,6 @@ def _qw_from_dict(d: dict, device) -> QuantizedWeight:
                            config=QuantConfig(**d["config"]), bias=to(d["bias"]), g_idx=to(d["g_idx"]))
 
 
-def _atomic_save(obj, path: Path):
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _atomic_json(obj, path: Path):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
@@ -757,12 +752,12 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                 if offloaded:
                     release(list(per_block[i].values()))  # RAM stays about one block: the codes are kept
                 if state is not None:
-                    _atomic_save({"weights": {n: _qw_to_dict(q) for n, q in block_weights.items()},
+                    save_torch_atomic({"weights": {n: _qw_to_dict(q) for n, q in block_weights.items()},
                                   "errors": {n: errors[n] for n in block_weights}}, state / f"block_{i:04d}.pt")
                     if i + 1 < len(blocks):
-                        _atomic_save(torch.cat(inputs).cpu(), state / f"inputs_{i + 1:04d}.pt")
+                        save_torch_atomic(torch.cat(inputs).cpu(), state / f"inputs_{i + 1:04d}.pt")
                         if float_pass:
-                            _atomic_save(torch.cat(float_inputs).cpu(), state / f"float_inputs_{i + 1:04d}.pt")
+                            save_torch_atomic(torch.cat(float_inputs).cpu(), state / f"float_inputs_{i + 1:04d}.pt")
                     _atomic_json({**record, "blocks_done": i + 1}, progress_file)
                     (state / f"inputs_{i:04d}.pt").unlink(missing_ok=True)
                     (state / f"float_inputs_{i:04d}.pt").unlink(missing_ok=True)
@@ -928,7 +923,7 @@ def _awq_then_gptq(model: nn.Module, recipe: QuantRecipe, batches: torch.Tensor,
                                     AWQLayerQuantizer(recipe.config, options, scales_only=True), progress=progress)
         timings.update({f"AWQ pass: {k}": v for k, v in scaled.timings.items()})
         if folded is not None:
-            _atomic_save({"record": json.dumps(record, sort_keys=True), "blocks": blocks.state_dict()}, folded)
+            save_torch_atomic({"record": json.dumps(record, sort_keys=True), "blocks": blocks.state_dict()}, folded)
     result = quantize_blockwise(model, recipe, batches, GPTQLayerQuantizer(recipe), progress=progress,
                                 state_dir=state_dir)
     timings.update({f"GPTQ pass: {k}": v for k, v in result.timings.items()})

@@ -99,7 +99,8 @@ class QuantRecipe:
     # any method: after the codes are chosen, train each group's scale end to end (codes and zeros fixed) to lower
     # KL(float model || quantized model) on the calibration windows (toolkit.quant.scale_tuning; EfficientQAT's
     # E2E-QP with only the scales). Passes over the windows (0 = off), Adam's learning rate on log(scale), windows
-    # per step. Costs a float copy of the model in RAM and ~3 forwards of the whole model per window and pass
+    # per step. Costs a float copy of the model in RAM and about four forwards' work per window and pass (the float
+    # model's forward, the quantized one's forward and backward)
     tune_scales_epochs: int = 0
     tune_scales_lr: float = 5e-4
     tune_scales_batch: int = 1

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from toolkit.fileio import save_torch_atomic
 from toolkit.quant.quantized_weight import QuantizedWeight
 
 SAVE_EVERY = 16  # steps between saves of a resumable run's state
@@ -86,12 +87,6 @@ def _record(weights: dict[str, QuantizedWeight], batches: torch.Tensor, options:
                        "scales_sha256": digest.hexdigest(),
                        "batches_sha256": hashlib.sha256(batches.cpu().numpy().tobytes()).hexdigest()},
                       sort_keys=True)
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 @torch.no_grad()
@@ -162,7 +157,7 @@ def tune_scales(student: nn.Module, teacher: nn.Module, weights: dict[str, Quant
                 bar.update(1)
                 bar.set_postfix_str(f"kl={float(loss.detach()):.4f}", refresh=False)
                 if state is not None and (step % SAVE_EVERY == 0 or step == total):
-                    _atomic_save({"record": record, "step": step, "thetas": [t.detach() for t in thetas],
+                    save_torch_atomic({"record": record, "step": step, "thetas": [t.detach() for t in thetas],
                                   "optimizer": optimizer.state_dict()}, state)
         kl_after = _mean_kl(student, teacher, batches, options.dtype)
         tuned = {name: dataclasses.replace(qw, scale=scaled[name].scale().detach().float().clone())
