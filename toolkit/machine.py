@@ -58,6 +58,7 @@ def machine_facts(measure: bool = True) -> dict:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "native_bf16": cpu_has_native_bf16(),
         "avx512": any(f.startswith("avx512") for f in cpu_flags()),
+        "amx_bf16": "amx_bf16" in cpu_flags(),  # engine.native_dot=bf16 then runs on the tile unit (bf16_native)
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

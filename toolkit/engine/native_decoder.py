@@ -99,6 +99,9 @@ def load():
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sq_decoder_layers.argtypes = [p, i64, p, p, i64, p, p, p, p, i64]
     lib.sq_decoder_layers.restype = ctypes.c_int
+    lib.sq_b16_linear.argtypes = [p, i64, i64, p, p, i64, p]  # the bf16 kernel it includes: its AMX switch and test
+    lib.sq_b16_amx.argtypes = [ctypes.c_int]
+    bf16_native.use_amx(lib)
     return lib
 
 

@@ -93,7 +93,13 @@ class Precision:
         compute, weights = DTYPE_NAMES[self.compute], DTYPE_NAMES[self.weights]
         name = compute if compute == weights else f"{weights} w / {compute} a"  # weights / activations
         return (name + (", bf16 prefill" if self.prefill == "bf16" else "")
-                + (", bf16 native products" if self.dot == "bf16" else ""))
+                + (", bf16 native products" + (" on AMX" if _on_amx() else "") if self.dot == "bf16" else ""))
+
+
+def _on_amx() -> bool:
+    from toolkit.quant import bf16_native  # only for a bf16 setting, which has loaded the kernel already
+
+    return bf16_native.amx_in_use()
 
 
 def _dtype(name: str, key: str) -> torch.dtype:

@@ -19,12 +19,21 @@ columns, a vdpbf16ps operand; a thread's tiles are one sequential stream.
 
 Constraints: N % 16 == 0, K % 32 == 0. Rows are independent: each row's activations are rounded on their own and a
 row's sums run in the same order whatever the number of rows.
+
+AMX: where the CPU has AMX-BF16 (Intel Sapphire Rapids and later) and Linux grants the tile state, the same products
+run on the tile unit (`use_amx`, on by default; `SPECQUANT_NO_AMX=1` keeps vdpbf16ps). The b16 pack is already the
+tile unit's weight operand, so nothing is repacked. One tile product multiplies up to 16 rows at the cost of about
+one, so a speculative verify pass of up to 16 rows costs about a decode step, where vdpbf16ps pays per row (the
+README's "AMX" section has the timings). The tile unit adds a pair's two products in another order (and, measured
+here, more accurately), so its sums may differ from vdpbf16ps's in the last bit: a library that turns it on runs
+every product there, whatever the rows, so rows stay independent and decode steps and verify passes agree.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -48,7 +57,7 @@ def load(flags: tuple[str, ...] = tuple(FLAGS)):
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     return cbuild.load_kernel(SOURCE, "bf16-gemm", list(flags), "bf16 dot-product GEMM kernel",
                               "engine.native_dot=bf16 is unavailable", log,
-                              {"sq_b16_linear": [p, i64, i64, p, p, i64, p]}, _self_test)
+                              {"sq_b16_linear": [p, i64, i64, p, p, i64, p], "sq_b16_amx": [ctypes.c_int]}, _self_test)
 
 
 def _self_test(lib) -> str | None:
@@ -58,10 +67,60 @@ def _self_test(lib) -> str | None:
     return cbuild.self_test_verdict(rc, torch.equal(y, torch.full((1, 16), 32.0)), "AVX512-BF16")
 
 
+AMX_OFF_ENV = "SPECQUANT_NO_AMX"  # set to 1: the bf16 products stay on vdpbf16ps where the CPU has AMX
+_AMX_LIBRARIES = []  # every library holding this source (this module's and the native decoder's), for `set_amx`
+
+
 @lru_cache(maxsize=1)
 def kernel():
-    """The loaded library (function ``sq_b16_linear``), or None: see `load`."""
-    return load()
+    """The loaded library (function ``sq_b16_linear``), or None: see `load`. Its products run on AMX where `use_amx`
+    allows."""
+    lib = load()
+    if lib is not None:
+        use_amx(lib)
+    return lib
+
+
+def use_amx(lib, want: bool | None = None) -> bool:
+    """Put `lib`'s bf16 products (a library that compiled bf16_gemm.c: this module's, or the native decoder's) on
+    the AMX tile unit, where the CPU and the kernel allow it and the tile path gives a random product within bf16
+    sum rounding of vdpbf16ps's; `want` None means unless SPECQUANT_NO_AMX=1. Returns whether they run there.
+    Call before the library's first product or between products, never while one runs."""
+    if lib not in _AMX_LIBRARIES:
+        _AMX_LIBRARIES.append(lib)
+    if want is None:
+        want = os.environ.get(AMX_OFF_ENV, "") in ("", "0")
+    if not want or not lib.sq_b16_amx(1):
+        lib.sq_b16_amx(0)
+        return False
+    if not _tile_path_agrees(lib):
+        lib.sq_b16_amx(0)
+        log.warning("the AMX tile path of the bf16 kernel disagreed with vdpbf16ps on a test product; not used")
+        return False
+    return True
+
+
+def set_amx(want: bool) -> bool:
+    """`use_amx` on every library loaded so far (this module's first): benchmarks compare the two paths in one
+    process. Returns whether the tile path is on."""
+    kernel()
+    return all([use_amx(lib, want) for lib in _AMX_LIBRARIES])
+
+
+def amx_in_use() -> bool:
+    """Whether this module's products run on the tile unit."""
+    lib = kernel()
+    return lib is not None and bool(lib.sq_b16_amx(-1))
+
+
+def _tile_path_agrees(lib) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    w, x, bias = torch.randn(48, 64, generator=generator), torch.randn(19, 64, generator=generator), torch.randn(48)
+    packed, tile = pack(w), torch.empty(19, 48)
+    rc = lib.sq_b16_linear(x.data_ptr(), 19, 64, packed.data_ptr(), bias.data_ptr(), 48, tile.data_ptr())
+    exact = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().T + bias.double()
+    scale = x.to(torch.bfloat16).double().abs() @ w.to(torch.bfloat16).double().abs().T
+    return rc == 0 and bool(((tile.double() - exact).abs() <= 1e-6 * scale + 1e-6).all())
 
 
 def available() -> bool:
