@@ -10,7 +10,8 @@ vdpbf16ps) and, where the CPU has AMX-BF16, `bf16-amx` (the same packs on the ti
 `toolkit.quant.bf16_native.set_amx`). Two copies of the model are loaded (the fp32 and bf16 packs); the bf16 ones
 switch paths between timings. Each round times every setting at every r in turn (so all see the same machine
 noise), `passes` passes each on a `--context`-token cache cropped back after each; the table gives medians over
-rounds and, per setting, the pass in one-row steps. The machine's bandwidth and whether AMX ran are printed.
+rounds and, per setting, the pass in one-row steps, with the machine's bandwidth measured after the timings; the
+`bf16-amx` rows appear only where the tile path runs.
 """
 
 from __future__ import annotations

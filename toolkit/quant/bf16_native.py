@@ -24,9 +24,10 @@ AMX: where the CPU has AMX-BF16 (Intel Sapphire Rapids and later) and Linux gran
 run on the tile unit (`use_amx`, on by default; `SPECQUANT_NO_AMX=1` keeps vdpbf16ps). The b16 pack is already the
 tile unit's weight operand, so nothing is repacked. One tile product multiplies up to 16 rows at the cost of about
 one, so a speculative verify pass of up to 16 rows costs about a decode step, where vdpbf16ps pays per row (the
-README's "AMX" section has the timings). The tile unit adds a pair's two products in another order (and, measured
-here, more accurately), so its sums may differ from vdpbf16ps's in the last bit: a library that turns it on runs
-every product there, whatever the rows, so rows stay independent and decode steps and verify passes agree.
+README's "AMX" section has the timings). The tile unit's sums may differ from vdpbf16ps's in the last bits (it
+rounds a pair's products its own way, measured here more accurately, and the bias is added after the sums rather
+than before): a library that turns it on runs every product there, whatever the rows, so rows stay independent and
+decode steps and verify passes agree.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def kernel():
 
 def use_amx(lib, want: bool | None = None) -> bool:
     """Put `lib`'s bf16 products (a library that compiled bf16_gemm.c: this module's, or the native decoder's) on
-    the AMX tile unit, where the CPU and the kernel allow it and the tile path gives a random product within bf16
-    sum rounding of vdpbf16ps's; `want` None means unless SPECQUANT_NO_AMX=1. Returns whether they run there.
-    Call before the library's first product or between products, never while one runs."""
+    the AMX tile unit, where the CPU and the kernel allow it and the tile path's product of random operands is the
+    exact product of their bf16 roundings within fp32 summation rounding; `want` None means unless
+    SPECQUANT_NO_AMX=1. Returns whether they run there. Call before the library's first product or between
+    products, never while one runs."""
     if lib not in _AMX_LIBRARIES:
         _AMX_LIBRARIES.append(lib)
     if want is None:
@@ -95,7 +97,7 @@ def use_amx(lib, want: bool | None = None) -> bool:
         return False
     if not _tile_path_agrees(lib):
         lib.sq_b16_amx(0)
-        log.warning("the AMX tile path of the bf16 kernel disagreed with vdpbf16ps on a test product; not used")
+        log.warning("the AMX tile path of the bf16 kernel gave a wrong test product; the kernel stays on vdpbf16ps")
         return False
     return True
 

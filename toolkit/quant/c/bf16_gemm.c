@@ -19,9 +19,10 @@
  * tile unit. The b16 layout is already AMX's B operand: 16 consecutive input pairs of a block of 16 outputs are 16
  * rows of 64 bytes, nt * 64 bytes apart, one tileloadd; the rounded activations are the A operand as they stand.
  * One tdpbf16ps multiplies up to 16 rows by 16 x 32 weights, so a verify pass of 2-16 rows costs about one row's
- * time, where vdpbf16ps pays per row. The sums run over the input pairs in the same order, but the tile unit adds a
- * pair's two products in its own order, so its results may differ from vdpbf16ps's in the last bit: once on, every
- * call takes the tile path, whatever M, so rows stay independent and decode steps and verify passes agree.
+ * time, where vdpbf16ps pays per row. The sums run over the input pairs in the same order, but the tile unit rounds
+ * a pair's products its own way and the bias is added after the sums (vdpbf16ps: before), so its results may differ
+ * from vdpbf16ps's in the last bits: once on, every call takes the tile path, whatever M, so rows stay independent
+ * and decode steps and verify passes agree.
  */
 #include <stdint.h>
 #include <stdlib.h>
