@@ -103,16 +103,11 @@ def measure_costs(model, rows=range(1, MAX_ROWS + 1), context: int = 128, passes
 
 
 def run(model_name: str, prompt_sets: list[str], n_prompts: int, new_tokens: int, native_dot: str = "fp32") -> dict:
-    from omegaconf import OmegaConf
-
-    from toolkit.cli.app import CONF_DIR
     from toolkit.data import build_prompts
     from toolkit.engine.generate import generate
-    from toolkit.engine.setup import load_engine_model
+    from toolkit.engine.setup import default_engine_config, load_engine_model
 
-    engine = OmegaConf.load(CONF_DIR / "engine" / "default.yaml")  # as the CLI runs it
-    engine.native_dot = native_dot
-    loaded = load_engine_model(model_name, engine)
+    loaded = load_engine_model(model_name, default_engine_config(native_dot=native_dot))  # as the CLI runs it
     costs = measure_costs(loaded.model)
     results = {}
     for name in prompt_sets:

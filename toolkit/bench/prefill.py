@@ -21,14 +21,9 @@ import torch
 
 
 def _engine(model: str, prefill: str, dtype: str = "auto"):
-    from omegaconf import OmegaConf
+    from toolkit.engine.setup import default_engine_config, load_engine_model
 
-    from toolkit.cli.app import CONF_DIR
-    from toolkit.engine.setup import load_engine_model
-
-    cfg = OmegaConf.merge(OmegaConf.load(CONF_DIR / "engine" / "default.yaml"), {"prefill_dtype": prefill,
-                                                                                 "dtype": dtype})
-    return load_engine_model(model, cfg)
+    return load_engine_model(model, default_engine_config(prefill_dtype=prefill, dtype=dtype))
 
 
 def _prefill(model, ids: list[int]) -> tuple[float, torch.Tensor]:

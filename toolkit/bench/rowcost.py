@@ -24,14 +24,9 @@ import torch
 
 
 def _load(model: str, dot: str):
-    from omegaconf import OmegaConf
+    from toolkit.engine.setup import default_engine_config, load_engine_model
 
-    from toolkit.cli.app import CONF_DIR
-    from toolkit.engine.setup import load_engine_model
-
-    engine = OmegaConf.load(CONF_DIR / "engine" / "default.yaml")
-    engine.native_dot = dot
-    return load_engine_model(model, engine).model
+    return load_engine_model(model, default_engine_config(native_dot=dot)).model
 
 
 def run(model: str, rows: list[int], rounds: int, passes: int, context: int) -> dict:

@@ -435,14 +435,11 @@ def _bench(model: str, context: int = 128, rounds: int = 5, passes: int = 20) ->
     against the lean forward's torch operators over the same loaded model, alternating (median ms per pass)."""
     import time
 
-    from omegaconf import OmegaConf
-
     from toolkit.engine.kv_cache import ContiguousKVCache
     from toolkit.engine.lean_forward import LeanForward
-    from toolkit.engine.setup import load_engine_model
+    from toolkit.engine.setup import default_engine_config, load_engine_model
 
-    engine = OmegaConf.load(Path(__file__).parents[2] / "conf" / "engine" / "default.yaml")
-    loaded = load_engine_model(model, engine)
+    loaded = load_engine_model(model, default_engine_config())
     m = loaded.model
     if loaded.model.specquant_forward != "native":
         raise SystemExit(f"{model}: the native decoder does not run this model ({m.forward.native_reason})")

@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -41,6 +42,17 @@ def choose_lowbit_kernels(choice: str) -> None:
         raise InputError(f"engine.lowbit_kernel={choice!r} is not one of {', '.join(LOWBIT_KERNELS)}",
                          "use engine.lowbit_kernel=auto")
     QuantLinear.native_kernels = choice != "torch"
+
+
+DEFAULT_ENGINE_YAML = Path(__file__).resolve().parents[1] / "conf" / "engine" / "default.yaml"
+
+
+def default_engine_config(**overrides):
+    """The engine config the CLI runs with (``conf/engine/default.yaml``), ``overrides`` merged over it: what the
+    benches that load models outside a hydra command start from."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(OmegaConf.load(DEFAULT_ENGINE_YAML), overrides)
 
 
 def load_engine_model(name: str, engine_cfg):
