@@ -84,8 +84,9 @@ def test_norm_kind_probed(arch_dir):
     assert norm_kind(block.input_layernorm, hidden) == ("offset" if arch == "gemma3" else "plain")
 
 
+@pytest.mark.parametrize("gqa_v_o", [False, True])
 @torch.no_grad()
-def test_fold_keeps_float_block_output_and_finds_the_feeding_norms(arch_dir, tiny_tokenizer):
+def test_fold_keeps_float_block_output_and_finds_the_feeding_norms(arch_dir, tiny_tokenizer, gqa_v_o):
     arch, path = arch_dir
     model = _load(path)
     batches = calibration_batches(tiny_tokenizer, n_samples=4, seq_len=32, seed=0)
@@ -94,7 +95,7 @@ def test_fold_keeps_float_block_output_and_finds_the_feeding_norms(arch_dir, tin
     block = blocks[0]
     linears = {n: m for n, m in quantizable_linears(model, QuantRecipe(group_size=32))[0].items()
                if n.startswith(decoder_blocks(model)[0] + ".0.")}
-    quantizer = AWQLayerQuantizer(CONFIG, AWQOptions(clip=False, search_samples=2))
+    quantizer = AWQLayerQuantizer(CONFIG, AWQOptions(clip=False, search_samples=2, gqa_v_o=gqa_v_o))
     accumulators, producers = _collect(block, inputs, kwargs[0], linears, quantizer, stop_early=False)
     mlp_norm = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
     for name in linears:
@@ -113,6 +114,7 @@ def test_fold_keeps_float_block_output_and_finds_the_feeding_norms(arch_dir, tin
 
     before = [run(x) for x in inputs]
     norms_before = {n: m.weight.clone() for n, m in block.named_modules() if n.endswith("norm") and hasattr(m, "weight")}
+    o_before = block.self_attn.o_proj.weight.clone()
     quantizer.prepare_block(block, linears, accumulators, producers)
     after = [run(x) for x in inputs]
     for b, a in zip(before, after):
@@ -120,7 +122,18 @@ def test_fold_keeps_float_block_output_and_finds_the_feeding_norms(arch_dir, tin
     # the fold did change the model (the test above could otherwise pass vacuously)
     assert not torch.equal(block.input_layernorm.weight, norms_before["input_layernorm"])
     assert set(quantizer.last_report) >= {"qkv", "gate,up", "up->down"}
-    assert "v->o" not in quantizer.last_report  # GQA (2 kv heads, 4 heads): AutoAWQ skips it too
+    attn = block.self_attn
+    assert attn.v_proj.out_features * 2 == attn.o_proj.in_features  # GQA: 2 kv heads, 4 query heads
+    if not gqa_v_o:  # AutoAWQ's rule: no v -> o under GQA
+        assert "v->o" not in quantizer.last_report
+        assert torch.equal(attn.o_proj.weight, o_before)
+        return
+    # v -> o with one scale per kv channel: o's columns scaled alike for the two query heads of each kv head
+    assert "v->o" in quantizer.last_report
+    s = attn.o_proj.weight[0] / o_before[0]
+    assert not torch.allclose(s, torch.ones_like(s))  # it did scale (the equality above is then not vacuous)
+    by_head = s.reshape(2, 2, attn.head_dim)  # [kv head, query head of its group, channel]
+    torch.testing.assert_close(by_head[:, 0], by_head[:, 1])
 
 
 def test_fold_into_linear_producer_is_exact():

@@ -70,6 +70,53 @@ def test_tuned_scales_lower_the_kl_to_the_float_model_and_only_the_scales_change
                                                 rel=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tuned_norms_lower_the_kl_further_and_the_checkpoint_keeps_them(arch, tiny_llama_dir, tiny_gemma3_dir,
+                                                                         tiny_tokenizer, tmp_path):
+    """``tune_norms``: the RMSNorm gains (Gemma's ``1 + w`` ones too) train beside the scales, from exactly where they
+    were; the same codes with the same steps end closer to the float model, and a saved checkpoint holds the norms."""
+    from toolkit.quant.checkpoint import load_quantized, save_quantized
+
+    path = tiny_llama_dir if arch == "llama" else tiny_gemma3_dir
+    float_model = _load(path)
+    recipe = _recipe(n_samples=16, seq_len=64, tune_scales_epochs=3, tune_scales_lr=0.003)
+    models, results = {}, {}
+    for norms in (False, True):
+        models[norms] = _load(path)
+        results[norms] = make_quantized_state_dict(models[norms], tiny_tokenizer,
+                                                   dataclasses.replace(recipe, tune_norms=norms), progress=False)
+    norm_names = list(scale_tuning._norms(float_model))
+    assert any(n.endswith("input_layernorm") for n in norm_names) and any(n.endswith(".norm") for n in norm_names)
+    if arch == "gemma3":
+        assert any(n.endswith("q_norm") for n in norm_names)
+    for name in norm_names:
+        reference = float_model.get_submodule(name).weight
+        assert torch.equal(models[False].get_submodule(name).weight, reference), name  # RTN folds nothing
+        tuned = models[True].get_submodule(name)
+        assert not parametrize.is_parametrized(tuned) and not tuned.weight.requires_grad
+        assert not torch.equal(tuned.weight, reference), name
+    for name, qw in results[True].weights.items():  # the same codes: only scales and norms differ
+        assert torch.equal(qw.codes, results[False].weights[name].codes), name
+    seen = calibration_batches(tiny_tokenizer, "pydoc", 16, 64)
+    assert _kl(models[True], float_model, seen) < _kl(models[False], float_model, seen)
+    assert results[True].tuning["kl_after"] < results[False].tuning["kl_after"]
+    save_quantized(tmp_path / "ckpt", models[True], results[True], tiny_tokenizer)
+    loaded, _, _ = load_quantized(tmp_path / "ckpt")
+    for name in norm_names:
+        torch.testing.assert_close(loaded.get_submodule(name).weight.float(),
+                                   models[True].get_submodule(name).weight.float())
+
+
+def test_a_gain_parametrization_starts_at_the_norm_itself():
+    w = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+    for offset in (False, True):
+        gain = scale_tuning._RelativeGain(w, offset)
+        assert torch.equal(gain(w), w)  # theta = 0: bit for bit, not (1 + w) - 1
+        gain.theta.data.fill_(0.1)
+        expected = (w + 1) * torch.exp(torch.tensor(0.1)) - 1 if offset else w * torch.exp(torch.tensor(0.1))
+        torch.testing.assert_close(gain(w), expected)
+
+
 def test_a_killed_tuning_run_resumes_from_its_state_and_takes_the_same_steps(tiny_llama_dir, tiny_tokenizer,
                                                                              tmp_path, monkeypatch):
     recipe = _recipe()
@@ -115,6 +162,8 @@ def test_scale_tuning_settings_are_validated(tiny_llama_dir):
     for bad in (dict(tune_scales_epochs=-1), dict(tune_scales_batch=0), dict(tune_scales_lr=0.0)):
         with pytest.raises(ValueError, match="scale tuning"):
             _recipe(**bad)
+    with pytest.raises(ValueError, match="tune_norms .* tune_scales_epochs >= 1"):
+        _recipe(tune_norms=True)
     model = _load(tiny_llama_dir)
     with pytest.raises(ValueError, match="epochs >= 1"):
         tune_scales(model, copy.deepcopy(model), {}, torch.zeros(1, 4, dtype=torch.long), ScaleTuneOptions(epochs=0))

@@ -7,12 +7,15 @@ One block at a time, on the float inputs each Linear saw (`InputCollector`):
 
 1. **Scale search** per *scaling group* (Linears that read one tensor, and the op that writes it):
    ``input_layernorm -> q,k,v``; ``post_attention_layernorm`` (Llama/Qwen) or ``pre_feedforward_layernorm``
-   (Gemma 3) ``-> gate,up``; ``up -> down``; ``v -> o`` only when v's outputs are o's inputs one to one (no GQA
-   head sharing; AutoAWQ skips it then too). Which norm feeds which Linears is not guessed from names: the
-   driver's capture forward records each norm's output tensor and a group's producer is the norm whose output IS
-   the Linears' input. For ``alpha`` on a grid in [0, 1]: ``s = mean|x|^alpha`` (normalised by
-   ``sqrt(max s * min s)``), ``W' = Q(W * s) / s``, and the loss is the mean squared error of the group's output
-   against the float output on ``search_samples`` calibration sequences; the best ``alpha`` wins. The output
+   (Gemma 3) ``-> gate,up``; ``up -> down``; ``v -> o`` when v's outputs are o's inputs one to one (no GQA head
+   sharing), and under GQA with ``gqa_v_o``: each query head reads its kv head's values, so o's input channel
+   ``h * head_dim + d`` is v's output ``(h // group) * head_dim + d`` and one scale per v output, shared by the
+   ``group`` query heads that read it, folds exactly (AutoAWQ skips GQA models' v -> o). Which norm feeds which
+   Linears is not guessed from names: the driver's capture forward records each norm's output tensor and a
+   group's producer is the norm whose output IS the Linears' input. For ``alpha`` on a grid in [0, 1]:
+   ``s = mean|x|^alpha`` (normalised by ``sqrt(max s * min s)``), ``W' = Q(W * s) / s``, and the loss is the mean
+   squared error of the group's output against the float output on ``search_samples`` calibration sequences; the
+   best ``alpha`` wins. The output
    measured is the MLP's for gate/up (it is nonlinear in them; AutoAWQ does the same; ``mlp_dtype="bf16"``
    runs those candidates in bf16) and the Linears' own outputs otherwise (AutoAWQ runs the whole attention for
    q,k,v: a cheaper, slightly weaker proxy here), measured through the inputs' Gram matrix: the same loss.
@@ -60,6 +63,9 @@ class AWQOptions:
     clip_tokens: int = 512  # tokens (evenly spaced over the calibration data) the clip search measures on
     search_samples: int = 8  # calibration sequences the scale search measures its loss on (means use all)
     mlp_dtype: str = "fp32"  # "bf16": the gate,up group's MLP candidates run in bf16 (native-bf16 hardware)
+    # v -> o under GQA too: one scale per v output channel, shared by the query heads reading that kv head (False:
+    # AutoAWQ's rule, v -> o only when o's inputs are v's outputs one to one)
+    gqa_v_o: bool = False
 
     def __post_init__(self):
         if self.mlp_dtype not in ("fp32", "bf16"):
@@ -136,12 +142,13 @@ def fake_quantize(weight: torch.Tensor, config: QuantConfig) -> torch.Tensor:
 @torch.no_grad()
 def search_scales(x: torch.Tensor | None, linears: list[nn.Linear], config: QuantConfig, options: AWQOptions,
                   x_search: torch.Tensor | None = None, inspect=None,
-                  x_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, float, float]:
+                  x_mean: torch.Tensor | None = None, tie=None) -> tuple[torch.Tensor, float, float]:
     """``(s [in], best alpha, best loss)`` for Linears that all read ``x [tokens, in]`` (float32 rows).
 
     ``mean|x|`` comes from all of ``x`` (or is given: ``x_mean``); the loss is measured on ``x_search`` (default
     ``x``). ``inspect(x)`` maps the group's input to the output whose error counts (default: the Linears' outputs
-    concatenated).
+    concatenated). ``tie(s)`` makes a candidate obey a sharing constraint (`_KVHeads.tie`: one scale per kv
+    channel) before it is normalised and tried.
     """
     x_search = x if x_search is None else x_search
     x_mean = x.abs().mean(0) if x_mean is None else x_mean
@@ -181,6 +188,8 @@ def search_scales(x: torch.Tensor | None, linears: list[nn.Linear], config: Quan
         else:
             s = x_mean.pow(alpha)
         s = s.clamp(min=1e-4)
+        if tie is not None:
+            s = tie(s)
         s = s / (s.max() * s.min()).sqrt()
         tried[i] = (s, loss_of([fake_quantize(w * s, config) / s for w in weights]))
 
@@ -223,10 +232,13 @@ def norm_kind(norm: nn.Module, hidden: int) -> str:
 
 
 @torch.no_grad()
-def fold_scales(producer: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> None:
-    """Scale the Linears' input columns by ``s`` and divide the producer's outputs by ``s`` (same function)."""
+def fold_scales(producer: nn.Module, linears: list[nn.Linear], s: torch.Tensor,
+                producer_s: torch.Tensor | None = None) -> None:
+    """Scale the Linears' input columns by ``s`` and divide the producer's outputs by ``s`` (same function);
+    ``producer_s``: the producer's outputs' scales where they are fewer than the inputs (v -> o under GQA)."""
     for lin in linears:
         lin.weight.mul_(s.to(lin.weight)[None, :])
+    s = s if producer_s is None else producer_s
     if isinstance(producer, nn.Linear):
         producer.weight.div_(s.to(producer.weight)[:, None])
         if producer.bias is not None:
@@ -282,6 +294,34 @@ def apply_clip(linear: nn.Linear, max_val: torch.Tensor, config: QuantConfig) ->
 
 # ------------------------------------------------------------------------------------------- one block
 
+@dataclasses.dataclass(frozen=True)
+class _KVHeads:
+    """GQA's layout of o's input: ``kv_heads * group`` query heads of ``head_dim`` channels, ``group`` per kv head
+    (HF's ``repeat_kv``: query head h reads kv head h // group)."""
+
+    kv_heads: int
+    group: int
+    head_dim: int
+
+    def pool(self, s: torch.Tensor) -> torch.Tensor:  # o's input layout -> v's output layout (mean over the group)
+        return s.reshape(self.kv_heads, self.group, self.head_dim).mean(1).reshape(-1)
+
+    def expand(self, s_kv: torch.Tensor) -> torch.Tensor:  # v's output layout -> o's input layout
+        return s_kv.reshape(self.kv_heads, 1, self.head_dim).expand(-1, self.group, -1).reshape(-1)
+
+    def tie(self, s: torch.Tensor) -> torch.Tensor:
+        return self.expand(self.pool(s))
+
+
+def _kv_heads(block: nn.Module, v: nn.Linear, o: nn.Linear) -> _KVHeads | None:
+    """o's input layout when v feeds it through GQA's head sharing; None when the block does not say its head
+    size or the widths do not fit it (then v -> o is skipped)."""
+    head_dim = getattr(getattr(block, "self_attn", None), "head_dim", None)
+    if not head_dim or o.in_features % v.out_features or v.out_features % head_dim:
+        return None
+    return _KVHeads(v.out_features // head_dim, o.in_features // v.out_features, head_dim)
+
+
 def _suffix(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
@@ -314,9 +354,11 @@ def awq_block(block: nn.Module, linears: dict[str, nn.Linear], collectors: dict[
     qkv = [by_suffix[k] for k in ("q_proj", "k_proj", "v_proj") if k in by_suffix]
     if qkv and qkv[0] in producers:
         groups.append(("qkv", qkv, producers[qkv[0]], None))
+    heads = None  # o's input layout under GQA (v -> o with shared scales)
     if "v_proj" in by_suffix and "o_proj" in by_suffix:
         v, o = linears[by_suffix["v_proj"]], linears[by_suffix["o_proj"]]
-        if v.out_features == o.in_features:  # no GQA sharing: each o input is exactly one v output
+        # no GQA sharing (each o input is exactly one v output), or GQA's with shared scales (gqa_v_o)
+        if v.out_features == o.in_features or (options.gqa_v_o and (heads := _kv_heads(block, v, o)) is not None):
             groups.append(("v->o", [by_suffix["o_proj"]], v, None))
     gate_up = [by_suffix[k] for k in ("gate_proj", "up_proj") if k in by_suffix]
     mlp = getattr(block, "mlp", None)
@@ -340,9 +382,10 @@ def awq_block(block: nn.Module, linears: dict[str, nn.Linear], collectors: dict[
         mods = [linears[n] for n in names]
         x = inputs_of(names[0])
         inspect = None if inspect_module is None else _mlp_output(inspect_module, options)
+        shared = heads if label == "v->o" else None
         s, alpha, loss = search_scales(None, mods, config, options, x_search=x.search, inspect=inspect,
-                                       x_mean=x.mean_abs)
-        fold_scales(producer, mods, s)
+                                       x_mean=x.mean_abs, tie=None if shared is None else shared.tie)
+        fold_scales(producer, mods, s, None if shared is None else shared.pool(s))
         x.div_(s)  # the Linears now read x / s (shared rows: once per input)
         if scales is not None:
             scales.update({id(m): s for m in mods})

@@ -864,7 +864,7 @@ def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, 
 
 def _without_tuning(recipe: QuantRecipe) -> QuantRecipe:
     """The recipe with the scale-tuning knobs at their defaults: what a calibrating pass's resume record holds."""
-    tuning = ("tune_scales_epochs", "tune_scales_lr", "tune_scales_batch")
+    tuning = ("tune_scales_epochs", "tune_scales_lr", "tune_scales_batch", "tune_norms")
     return dataclasses.replace(recipe, **{f.name: f.default for f in dataclasses.fields(QuantRecipe)
                                           if f.name in tuning})
 
@@ -875,7 +875,8 @@ def _tune_scales(model: nn.Module, teacher: nn.Module, qsd: QuantizedStateDict, 
     from toolkit.quant.scale_tuning import ScaleTuneOptions, tune_scales
 
     options = ScaleTuneOptions(epochs=recipe.tune_scales_epochs, lr=recipe.tune_scales_lr,
-                               batch=recipe.tune_scales_batch, dtype=calibration_dtype(recipe, device))
+                               batch=recipe.tune_scales_batch, dtype=calibration_dtype(recipe, device),
+                               norms=recipe.tune_norms)
     state_path = None
     if state_dir is not None:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
@@ -950,4 +951,4 @@ def awq_options(recipe: QuantRecipe, device="cpu") -> AWQOptions:
     return AWQOptions(grid=recipe.awq_grid, coarse_step=recipe.awq_coarse_step, duo_scaling=recipe.awq_duo_scaling,
                       clip=recipe.awq_clip, clip_grid=recipe.awq_clip_grid, max_shrink=recipe.awq_max_shrink,
                       clip_tokens=recipe.awq_clip_tokens, search_samples=recipe.awq_search_samples,
-                      mlp_dtype=mlp_dtype)
+                      mlp_dtype=mlp_dtype, gqa_v_o=recipe.awq_gqa_v_o)

@@ -86,6 +86,9 @@ class QuantRecipe:
     awq_max_shrink: float = 0.5  # max_shrink: clip max|w| by at most this fraction
     awq_clip_tokens: int = 512  # n_sample_token: tokens the clip search measures on
     awq_search_samples: int = 8  # calibration sequences the scale-search loss is measured on
+    # v -> o under GQA too: one scale per v output, shared by the query heads that read its kv head (AutoAWQ: only
+    # without GQA). SmolLM2, Qwen and Gemma 3 all use GQA, so without it their o_proj gets no scales
+    awq_gqa_v_o: bool = False
     # where block i + 1's calibration inputs come from: "float" (block i's float outputs, AutoAWQ's way: one
     # forward per block) or "quantized" (block i after scaling, clipping and rounding, as GPTQ does: a second
     # forward). Same quality on SmolLM2 (KL 0.123 vs 0.124), float 1.4x faster
@@ -104,6 +107,8 @@ class QuantRecipe:
     tune_scales_epochs: int = 0
     tune_scales_lr: float = 5e-4
     tune_scales_batch: int = 1
+    # with scale tuning: the RMSNorm gains train too (float in every format; Norm Tweaking's idea)
+    tune_norms: bool = False
     # calibration data for data-aware methods: windows from the calibration split of `dataset`
     dataset: str = "pydoc"
     n_samples: int = 128
@@ -138,6 +143,9 @@ class QuantRecipe:
             raise ValueError("QuantRecipe.gptaq_alpha needs true_sequential=true: each layer's correction assumes the "
                              "layers before it in the block are already quantized (and corrected); with one stage, "
                              "o, gate/up and down would correct the drift q,k,v already corrected")
+        if self.tune_norms and not self.tune_scales_epochs:
+            raise ValueError("QuantRecipe.tune_norms trains the norms beside the scales: set tune_scales_epochs >= 1 "
+                             "too, or tune_norms=false")
         if self.tune_scales_epochs < 0 or self.tune_scales_batch < 1 or not self.tune_scales_lr > 0:
             raise ValueError(f"QuantRecipe: scale tuning needs tune_scales_epochs >= 0 (0 = off), tune_scales_batch >= "
                              f"1 and tune_scales_lr > 0; got {self.tune_scales_epochs}, {self.tune_scales_batch}, "

@@ -12,6 +12,11 @@ A scale is trained as ``scale0 * exp(theta)``, theta starting at 0: Adam's step 
 scale (the scales of one model span orders of magnitude), and a scale cannot change sign. The learning rate
 follows a cosine from ``lr`` to 0 over all steps.
 
+With ``norms`` the RMSNorm gains train beside the scales, the same way (``gain0 * exp(phi)`` per channel; for
+Gemma's ``(1 + w)`` norms the gain is ``1 + w``): Norm Tweaking's idea (Li et al., 2023), the norms being float
+in every checkpoint format. A gain scales the channels it feeds into every Linear that reads the norm, which the
+per-group scales cannot do across a Linear's output rows, and it costs a few thousand numbers a block.
+
 With ``state_path`` the run saves theta, Adam's state and the step count every `SAVE_EVERY` steps (atomically),
 with a record of the run (options, the starting scales' and the data's hashes); a killed run restarts from the
 last save and, the window order being a function of the epoch, takes the same steps.
@@ -46,6 +51,7 @@ class ScaleTuneOptions:
     lr: float = 5e-4  # Adam's learning rate on log(scale)
     batch: int = 1  # windows per step
     dtype: torch.dtype | None = None  # autocast dtype of the forwards (bf16 where the CPU multiplies it natively)
+    norms: bool = False  # also train the RMSNorm gains (float in every format), relative steps as the scales
 
 
 class _GroupScaledWeight(nn.Module):
@@ -65,6 +71,26 @@ class _GroupScaledWeight(nn.Module):
 
     def forward(self, _original: torch.Tensor) -> torch.Tensor:
         return self.offsets.float() * self.scale()[:, self.groups]
+
+
+class _RelativeGain(nn.Module):
+    """A parametrization of a norm's weight: its gain (``w``, or ``1 + w`` for ``offset`` norms) times ``exp(theta)``,
+    written ``w + gain * expm1(theta)`` so that theta = 0 is the norm bit for bit."""
+
+    def __init__(self, weight: torch.Tensor, offset: bool):
+        super().__init__()
+        self.register_buffer("gain0", (weight.detach().float() + (1.0 if offset else 0.0)).clone())
+        self.theta = nn.Parameter(torch.zeros_like(self.gain0))
+
+    def forward(self, original: torch.Tensor) -> torch.Tensor:
+        return original + (self.gain0 * torch.expm1(self.theta)).to(original.dtype)
+
+
+def _norms(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's RMSNorms with a 1-d gain (the decoder's, the final one, Gemma's q/k norms), by module name."""
+    return {name: module for name, module in model.named_modules()
+            if "norm" in name.rsplit(".", 1)[-1] and not list(module.children())
+            and isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 1}
 
 
 def _kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -120,7 +146,14 @@ def tune_scales(student: nn.Module, teacher: nn.Module, weights: dict[str, Quant
     for name, qw in weights.items():
         scaled[name] = _GroupScaledWeight(qw)
         parametrize.register_parametrization(student.get_submodule(name), "weight", scaled[name], unsafe=True)
-    thetas = [m.theta for m in scaled.values()]
+    gains: dict[str, _RelativeGain] = {}
+    if options.norms:
+        from toolkit.quant.awq import norm_kind
+
+        for name, norm in _norms(student).items():
+            gains[name] = _RelativeGain(norm.weight, norm_kind(norm, norm.weight.numel()) == "offset")
+            parametrize.register_parametrization(norm, "weight", gains[name], unsafe=True)
+    thetas = [m.theta for m in (*scaled.values(), *gains.values())]
     optimizer = torch.optim.Adam(thetas, lr=options.lr)
     n = len(batches)
     steps_per_epoch = math.ceil(n / options.batch)
@@ -163,7 +196,8 @@ def tune_scales(student: nn.Module, teacher: nn.Module, weights: dict[str, Quant
         tuned = {name: dataclasses.replace(qw, scale=scaled[name].scale().detach().float().clone())
                  for name, qw in weights.items()}
     finally:
-        for name in scaled:  # the tuned (or, interrupted, the current) weight stays in the Linear as a plain tensor
+        # the tuned (or, interrupted, the current) weights stay in the Linears and norms as plain tensors
+        for name in (*scaled, *gains):
             parametrize.remove_parametrizations(student.get_submodule(name), "weight", leave_parametrized=True)
             student.get_submodule(name).weight.requires_grad_(False)
     report = {"kl_before": kl_before, "kl_after": kl_after, "steps": total,
