@@ -12,7 +12,7 @@ A scale is trained as ``scale0 * exp(theta)``, theta starting at 0: Adam's step 
 scale (the scales of one model span orders of magnitude), and a scale cannot change sign. The learning rate
 follows a cosine from ``lr`` to 0 over all steps.
 
-With ``norms`` the RMSNorm gains train beside the scales, the same way (``gain0 * exp(phi)`` per channel; for
+With ``norms`` the RMSNorm gains train beside the scales, the same way (``gain0 * exp(theta)`` per channel; for
 Gemma's ``(1 + w)`` norms the gain is ``1 + w``): Norm Tweaking's idea (Li et al., 2023), the norms being float
 in every checkpoint format. A gain scales the channels it feeds into every Linear that reads the norm, which the
 per-group scales cannot do across a Linear's output rows, and it costs a few thousand numbers a block.
