@@ -21,6 +21,9 @@ def test_variants_parse_as_yaml_types():
 def test_a_recipe_name_gives_its_model_and_quantize_keys():
     model, keys = awq_screen.load_recipe("gemma3-270m/awq-w4g128")
     assert model == "gemma3-270m" and keys["method"] == "awq" and keys["group_size"] == 128
+    _, gptq = awq_screen.load_recipe("smollm2-135m/gptq-w4g64")
+    with pytest.raises(ValueError, match="method=gptq"):  # refused before any model loads
+        awq_screen.screen("no-such-model", gptq, [""], ["pydoc"])
 
 
 def test_the_screen_measures_awqs_own_quantized_model(tiny_llama_dir, tiny_tokenizer):

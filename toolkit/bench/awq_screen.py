@@ -46,7 +46,8 @@ def load_recipe(name: str) -> tuple[str, dict]:
 
 
 class KLMeter:
-    """Mean KL(reference || candidate) per scored token over fixed windows, the reference's logits kept."""
+    """Mean KL(reference || candidate) per scored token over fixed windows, the reference's logits kept (float32:
+    Gemma's 262,144-token head makes that 0.5 GB a 512-token window, hence a few windows per text)."""
 
     def __init__(self, reference, windows: dict[str, torch.Tensor]):
         self.windows = windows
@@ -103,6 +104,9 @@ def screen(model_name: str, base: dict, variants: list[str], data: list[str], wi
     from toolkit.models import load_model
     from toolkit.quant.model_quant import QuantRecipe
 
+    if base.get("method", "awq") != "awq":
+        raise ValueError(f"the AWQ screen rounds AWQ's folded float model; this recipe is method={base['method']} "
+                         f"(give an AWQ recipe, e.g. --recipe smollm2-135m/awq-w4g64)")
     loaded = load_model(model_name, dtype=torch.float32)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
     meter = KLMeter(model, {d: make_windows(tokenizer, load_text(d, "evaluation")["text"], window,
