@@ -102,6 +102,7 @@ def screen(model_name: str, base: dict, variants: list[str], data: list[str], wi
     from toolkit.data import load_text
     from toolkit.evaluation.windows import make_windows
     from toolkit.models import load_model
+    from toolkit.quant.calibrate import decoder_blocks
     from toolkit.quant.model_quant import QuantRecipe
 
     if base.get("method", "awq") != "awq":
@@ -117,7 +118,7 @@ def screen(model_name: str, base: dict, variants: list[str], data: list[str], wi
         return f"{label:50s} " + "  ".join(f"{d} {kl:.4f}" for d, kl in kls.items())
 
     for i, variant in enumerate(variants):
-        recipe = QuantRecipe.from_dict({**base, **parse_variant(variant), "method": "awq"})
+        recipe = QuantRecipe.from_dict({"method": "awq", **base, **parse_variant(variant)})
         start = time.perf_counter()
         folded = folded_float_model(model, tokenizer, recipe)
         rounder = Rounder(folded, recipe)
@@ -129,23 +130,17 @@ def screen(model_name: str, base: dict, variants: list[str], data: list[str], wi
             rounder.round(lambda name: False)
             parts["nothing rounded"] = meter(folded)
             kinds = sorted({name.rsplit(".", 1)[-1] for name in rounder.linears})
-            blocks = sorted({_block_of(name) for name in rounder.linears} - {None})
             for kind in kinds:
                 rounder.round(lambda name: name.endswith("." + kind))
                 parts[f"only {kind}"] = meter(folded)
-            for block in blocks:
-                rounder.round(lambda name: _block_of(name) == block)
+            prefix, blocks = decoder_blocks(folded)  # the driver's own idea of a block
+            for block in range(len(blocks)):
+                rounder.round(lambda name: name.startswith(f"{prefix}.{block}."))
                 parts[f"only block {block}"] = meter(folded)
             for label, kls in parts.items():
                 report("  " + line(label, kls))
         del folded, rounder
     return results
-
-
-def _block_of(name: str) -> int | None:
-    """The decoder block index in a Linear's module name (``model.layers.7.mlp.up_proj`` -> 7)."""
-    parts = name.split(".")
-    return next((int(p) for p in parts if p.isdigit()), None)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -211,6 +211,12 @@ def search_scales(x: torch.Tensor | None, linears: list[nn.Linear], config: Quan
 
 # ------------------------------------------------------------------------------------------- folding
 
+def is_norm(name: str, module: nn.Module) -> bool:
+    """A norm layer, by the rule the calibration driver and scale tuning share: a leaf module whose own name says
+    norm (``input_layernorm``, ``q_norm``, the final ``norm``)."""
+    return "norm" in name.rsplit(".", 1)[-1] and not list(module.children())
+
+
 def norm_kind(norm: nn.Module, hidden: int) -> str:
     """``"plain"`` (output = normed(x) * w, Llama/Qwen) or ``"offset"`` (normed(x) * (1 + w), Gemma), probed."""
     weight = getattr(norm, "weight", None)

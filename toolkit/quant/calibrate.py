@@ -75,7 +75,7 @@ from toolkit.quant.model_quant import (
     quantize_model,
     relative_error,
 )
-from toolkit.quant.awq import AWQLayerQuantizer, AWQOptions
+from toolkit.quant.awq import AWQLayerQuantizer, AWQOptions, is_norm
 from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
 from toolkit.quant.offload import has_offloaded, onload, release
 from toolkit.quant.primitives import QuantConfig
@@ -319,7 +319,7 @@ def _collect(block, inputs, kwargs, linears: dict[str, nn.Linear], layer_quantiz
             handles.append(lin.register_forward_pre_hook(make_hook(name)))
         if want_producers:
             for name, module in block.named_modules():
-                if "norm" in name.rsplit(".", 1)[-1] and not list(module.children()):
+                if is_norm(name, module):
                     handles.append(module.register_forward_hook(norm_hook(name)))
         for batch in inputs:
             parts = []

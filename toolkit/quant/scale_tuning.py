@@ -88,8 +88,10 @@ class _RelativeGain(nn.Module):
 
 def _norms(model: nn.Module) -> dict[str, nn.Module]:
     """The model's RMSNorms with a 1-d gain (the decoder's, the final one, Gemma's q/k norms), by module name."""
+    from toolkit.quant.awq import is_norm
+
     return {name: module for name, module in model.named_modules()
-            if "norm" in name.rsplit(".", 1)[-1] and not list(module.children())
+            if is_norm(name, module)
             and isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 1}
 
 
@@ -148,7 +150,7 @@ def tune_scales(student: nn.Module, teacher: nn.Module, weights: dict[str, Quant
         parametrize.register_parametrization(student.get_submodule(name), "weight", scaled[name], unsafe=True)
     gains: dict[str, _RelativeGain] = {}
     if options.norms:
-        from toolkit.quant.awq import norm_kind
+        from toolkit.quant.awq import norm_kind  # (awq holds the norm probes: the fold needs them first)
 
         for name, norm in _norms(student).items():
             gains[name] = _RelativeGain(norm.weight, norm_kind(norm, norm.weight.numel()) == "offset")
