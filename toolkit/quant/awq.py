@@ -61,6 +61,9 @@ class AWQOptions:
     clip_grid: int = 20  # shrink steps of max|w| (AutoAWQ n_grid in _compute_best_clip)
     max_shrink: float = 0.5  # shrink max|w| by at most this fraction
     clip_tokens: int = 512  # tokens (evenly spaced over the calibration data) the clip search measures on
+    # asymmetric grids: after the symmetric search, shrink each group's upper and lower ends separately
+    # (`search_clip_range`); False: AutoAWQ's clamp to [-m, m]
+    clip_asym: bool = False
     search_samples: int = 8  # calibration sequences the scale search measures its loss on (means use all)
     mlp_dtype: str = "fp32"  # "bf16": the gate,up group's MLP candidates run in bf16 (native-bf16 hardware)
     # v -> o under GQA too: one scale per v output channel, shared by the query heads reading that kv head (False:
@@ -259,6 +262,43 @@ def fold_scales(producer: nn.Module, linears: list[nn.Linear], s: torch.Tensor,
 
 # ------------------------------------------------------------------------------------------- clip search
 
+def _clip_setup(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig, options: AWQOptions):
+    """``(w [out, g, gs], G [g, gs, gs])``: the weight in groups and each group's Gram matrix of ``clip_tokens``
+    evenly spaced rows of ``x``; a ragged last group is zero-padded in both (the padding adds nothing)."""
+    w_all = weight.detach().to(torch.float32)
+    out, cols = w_all.shape
+    gs, groups = config.resolve_group_size(cols), config.n_groups(cols)
+    step = max(1, x.shape[0] // options.clip_tokens)
+    xs = pad_to_groups(x[::step][:options.clip_tokens].to(torch.float32), config).reshape(-1, groups, gs)  # [t, g, gs]
+    gram = torch.einsum("tgk,tgl->gkl", xs, xs) / xs.shape[0]  # [g, gs, gs]
+    return pad_to_groups(w_all, config).reshape(out, groups, gs), gram
+
+
+def _clip_errors(w: torch.Tensor, gram: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                 config: QuantConfig) -> torch.Tensor:
+    """``[out, g]``: each group's output error ``Δ G Δᵀ``, clamped to ``[lo, hi]`` (``[out, g, 1]``) and rounded."""
+    out, groups, gs = w.shape
+    clipped = torch.minimum(torch.maximum(w, lo), hi).reshape(out, groups * gs)
+    delta = (fake_quantize(clipped, config).reshape(w.shape) - w).transpose(0, 1)  # [g, out, gs]
+    return ((delta @ gram) * delta).sum(-1).t()
+
+
+def _best_symmetric_clip(w: torch.Tensor, gram: torch.Tensor, config: QuantConfig,
+                         options: AWQOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max_val [out, g, 1], its error [out, g])``: AutoAWQ's search, ``max|w|`` shrunk in ``clip_grid`` steps."""
+    n_steps = max(1, int(options.max_shrink * options.clip_grid))
+    org_max = w.abs().amax(-1, keepdim=True)  # [out, g, 1]
+    best_err = torch.full(w.shape[:2], float("inf"))
+    best = org_max.clone()
+    for i in range(n_steps):
+        max_val = org_max * (1 - i / options.clip_grid)
+        err = _clip_errors(w, gram, -max_val, max_val, config)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better[..., None], max_val, best)
+    return best, best_err
+
+
 @torch.no_grad()
 def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig, options: AWQOptions) -> torch.Tensor:
     """Best ``max|w|`` per output channel and group ``[out, n_groups]`` for ``weight`` on inputs ``x [t, in]``.
@@ -267,35 +307,49 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig, opti
     group's Gram matrix ``G_g = mean_t x_tgᵀ x_tg`` (formed once): the same number as running the tokens through
     every candidate (AutoAWQ's way), at ``group_size`` instead of ``clip_tokens`` multiply-adds per weight.
     """
-    w_all = weight.detach().to(torch.float32)
-    out, cols = w_all.shape
-    gs, groups = config.resolve_group_size(cols), config.n_groups(cols)
-    step = max(1, x.shape[0] // options.clip_tokens)
-    # a ragged last group zero-padded in both: the padding adds nothing to any product
-    xs = pad_to_groups(x[::step][:options.clip_tokens].to(torch.float32), config).reshape(-1, groups, gs)  # [t, g, gs]
-    gram = torch.einsum("tgk,tgl->gkl", xs, xs) / xs.shape[0]  # [g, gs, gs]
-    w = pad_to_groups(w_all, config).reshape(out, groups, gs)
+    w, gram = _clip_setup(weight, x, config, options)
+    return _best_symmetric_clip(w, gram, config, options)[0].squeeze(-1)
+
+
+@torch.no_grad()
+def search_clip_range(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig,
+                      options: AWQOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)`` per output channel and group ``[out, n_groups]``: `search_clip`'s range, then its upper end and
+    then its lower end each set alone to a step of the group's own max or min (the symmetric search's steps, toward
+    0), a step kept where it lowers the group's error.
+
+    AutoAWQ clips to ``[-m, m]``: on an asymmetric grid that shrinks only the side reaching ``m`` (or both), never
+    the shorter side alone, though a skewed group may round better with its short tail clipped. Starting from the
+    symmetric search's range, the measured error never rises."""
+    w, gram = _clip_setup(weight, x, config, options)
+    m, best_err = _best_symmetric_clip(w, gram, config, options)
+    lo = torch.maximum(-m, w.amin(-1, keepdim=True))  # the range clamp(w, -m, m) leaves (the same error)
+    hi = torch.minimum(m, w.amax(-1, keepdim=True))
+    org_lo, org_hi = w.amin(-1, keepdim=True).clamp(max=0), w.amax(-1, keepdim=True).clamp(min=0)
     n_steps = max(1, int(options.max_shrink * options.clip_grid))
-    org_max = w.abs().amax(-1, keepdim=True)  # [out, g, 1]
-    best_err = torch.full((out, groups), float("inf"))
-    best = org_max.clone()
-    for i in range(n_steps):
-        max_val = org_max * (1 - i / options.clip_grid)
-        clipped = torch.clamp(w, -max_val, max_val).reshape(out, groups * gs)
-        delta = (fake_quantize(clipped, config).reshape(w.shape) - w).transpose(0, 1)  # [g, out, gs]
-        err = ((delta @ gram) * delta).sum(-1).t()  # [out, g]
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best = torch.where(better[..., None], max_val, best)
-    return best.squeeze(-1)
+    for upper in (True, False):
+        for i in range(n_steps):  # (i = 0: that end unclipped, which the symmetric range may have clipped)
+            shrink = 1 - i / options.clip_grid
+            candidate = (org_hi if upper else org_lo) * shrink
+            err = _clip_errors(w, gram, *((lo, candidate) if upper else (candidate, hi)), config)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            if upper:
+                hi = torch.where(better[..., None], candidate, hi)
+            else:
+                lo = torch.where(better[..., None], candidate, lo)
+    return lo.squeeze(-1), hi.squeeze(-1)
 
 
-def apply_clip(linear: nn.Linear, max_val: torch.Tensor, config: QuantConfig) -> None:
+def apply_clip(linear: nn.Linear, max_val: torch.Tensor, config: QuantConfig,
+               min_val: torch.Tensor | None = None) -> None:
+    """Clamp each group of ``linear``'s weight to ``[-max_val, max_val]``, or to ``[min_val, max_val]``."""
     w = linear.weight.data
     gs = config.resolve_group_size(w.shape[1])
     grouped = pad_to_groups(w, config).reshape(w.shape[0], -1, gs)
-    m = max_val.to(w)[..., None]
-    w.copy_(torch.clamp(grouped, -m, m).reshape(w.shape[0], -1)[:, :w.shape[1]])
+    hi = max_val.to(w)[..., None]
+    lo = -hi if min_val is None else min_val.to(w)[..., None]
+    w.copy_(torch.minimum(torch.maximum(grouped, lo), hi).reshape(w.shape[0], -1)[:, :w.shape[1]])
 
 
 # ------------------------------------------------------------------------------------------- one block
@@ -400,7 +454,11 @@ def awq_block(block: nn.Module, linears: dict[str, nn.Linear], collectors: dict[
         for name, lin in linears.items():
             if _suffix(name) in ("q_proj", "k_proj"):
                 continue
-            apply_clip(lin, search_clip(lin.weight, inputs_of(name).clip, config, options), config)
+            if options.clip_asym:
+                lo, hi = search_clip_range(lin.weight, inputs_of(name).clip, config, options)
+                apply_clip(lin, hi, config, min_val=lo)
+            else:
+                apply_clip(lin, search_clip(lin.weight, inputs_of(name).clip, config, options), config)
     return report
 
 

@@ -85,6 +85,7 @@ class QuantRecipe:
     awq_clip_grid: int = 20  # shrink steps of the clip search
     awq_max_shrink: float = 0.5  # max_shrink: clip max|w| by at most this fraction
     awq_clip_tokens: int = 512  # n_sample_token: tokens the clip search measures on
+    awq_clip_asym: bool = False  # asymmetric grids: shrink each group's ends separately after the symmetric search
     awq_search_samples: int = 8  # calibration sequences the scale-search loss is measured on
     # v -> o under GQA too: one scale per v output, shared by the query heads that read its kv head (AutoAWQ: only
     # without GQA). SmolLM2, Qwen and Gemma 3 all use GQA, so without it their o_proj gets no scales
@@ -143,6 +144,9 @@ class QuantRecipe:
             raise ValueError("QuantRecipe.gptaq_alpha needs true_sequential=true: each layer's correction assumes the "
                              "layers before it in the block are already quantized (and corrected); with one stage, "
                              "o, gate/up and down would correct the drift q,k,v already corrected")
+        if self.awq_clip_asym and self.symmetric:
+            raise ValueError("QuantRecipe.awq_clip_asym shrinks a group's two ends separately, which a symmetric grid "
+                             "cannot follow (its range is mirrored): set symmetric=false or awq_clip_asym=false")
         if self.tune_norms and not self.tune_scales_epochs:
             raise ValueError("QuantRecipe.tune_norms trains the norms beside the scales: set tune_scales_epochs >= 1 "
                              "too, or tune_norms=false")
