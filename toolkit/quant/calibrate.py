@@ -950,5 +950,5 @@ def awq_options(recipe: QuantRecipe, device="cpu") -> AWQOptions:
     mlp_dtype = "bf16" if calibration_dtype(recipe, device) is torch.bfloat16 else "fp32"
     return AWQOptions(grid=recipe.awq_grid, coarse_step=recipe.awq_coarse_step, duo_scaling=recipe.awq_duo_scaling,
                       clip=recipe.awq_clip, clip_grid=recipe.awq_clip_grid, max_shrink=recipe.awq_max_shrink,
-                      clip_tokens=recipe.awq_clip_tokens, clip_asym=recipe.awq_clip_asym, search_samples=recipe.awq_search_samples,
-                      mlp_dtype=mlp_dtype, gqa_v_o=recipe.awq_gqa_v_o)
+                      clip_tokens=recipe.awq_clip_tokens, clip_asym=recipe.awq_clip_asym,
+                      search_samples=recipe.awq_search_samples, mlp_dtype=mlp_dtype, gqa_v_o=recipe.awq_gqa_v_o)
