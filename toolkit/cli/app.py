@@ -43,7 +43,7 @@ def _expand_recipe(overrides: list[str]) -> list[str]:
         return overrides
     from omegaconf import OmegaConf
 
-    path = _recipe_path(paths[-1])
+    path = recipe_path(paths[-1])
     try:
         recipe = OmegaConf.to_container(OmegaConf.load(path))
     except Exception as exc:  # a YAML error of any kind: name the file
@@ -59,7 +59,7 @@ def _expand_recipe(overrides: list[str]) -> list[str]:
     return list(merged.values())
 
 
-def _recipe_path(value: str) -> Path:
+def recipe_path(value: str) -> Path:
     """A recipe file path, or a recipe NAME ``<model>/<name>`` -> ``recipes/<model>/<name>.yaml`` (the repo's
     or the installed package's)."""
     path = Path(value).expanduser()
