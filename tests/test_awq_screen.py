@@ -24,6 +24,10 @@ def test_a_recipe_name_gives_its_model_and_quantize_keys():
     _, gptq = awq_screen.load_recipe("smollm2-135m/gptq-w4g64")
     with pytest.raises(ValueError, match="method=gptq"):  # refused before any model loads
         awq_screen.screen("no-such-model", gptq, [""], ["pydoc"])
+    # a variant the one float fold cannot stand for (GPTQ's rounding, blocks searched on quantized outputs)
+    for variant in ("awq_rounding=gptq", "awq_next_inputs=quantized"):
+        with pytest.raises(ValueError, match="specquant quantize and specquant eval"):
+            awq_screen.screen("no-such-model", keys, ["", variant], ["pydoc"])
 
 
 def test_the_screen_measures_awqs_own_quantized_model(tiny_llama_dir, tiny_tokenizer):

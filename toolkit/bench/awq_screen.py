@@ -70,13 +70,11 @@ class KLMeter:
 
 def folded_float_model(model, tokenizer, recipe):
     """A copy of ``model`` as AWQ leaves it before rounding: scales folded, clips applied (``scales_only``)."""
-    from toolkit.quant.awq import AWQLayerQuantizer
-    from toolkit.quant.calibrate import awq_options, calibration_batches, quantize_blockwise
+    from toolkit.quant.calibrate import calibration_batches, fold_awq_scales
 
     folded = copy.deepcopy(model)
     batches = calibration_batches(tokenizer, recipe.dataset, recipe.n_samples, recipe.seq_len)
-    quantize_blockwise(folded, recipe, batches,
-                       AWQLayerQuantizer(recipe.config, awq_options(recipe), scales_only=True), progress=False)
+    fold_awq_scales(folded, recipe, batches, progress=False)
     return folded
 
 
@@ -108,6 +106,15 @@ def screen(model_name: str, base: dict, variants: list[str], data: list[str], wi
     if base.get("method", "awq") != "awq":
         raise ValueError(f"the AWQ screen rounds AWQ's folded float model; this recipe is method={base['method']} "
                          f"(give an AWQ recipe, e.g. --recipe smollm2-135m/awq-w4g64)")
+    recipes = [(variant, QuantRecipe.from_dict({"method": "awq", **base, **parse_variant(variant)}))
+               for variant in variants]
+    for variant, recipe in recipes:  # refused before any model loads
+        if recipe.awq_rounding != "rtn" or recipe.awq_next_inputs != "float":
+            # the screen rounds one fold made on the float blocks' outputs: it would measure another model
+            raise ValueError(f"the AWQ screen measures AWQ with round-to-nearest codes and each block searched on "
+                             f"the float block's outputs; variant {variant!r} sets awq_rounding="
+                             f"{recipe.awq_rounding}, awq_next_inputs={recipe.awq_next_inputs}: measure it with "
+                             f"specquant quantize and specquant eval")
     loaded = load_model(model_name, dtype=torch.float32)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
     meter = KLMeter(model, {d: make_windows(tokenizer, load_text(d, "evaluation")["text"], window,
@@ -117,8 +124,7 @@ def screen(model_name: str, base: dict, variants: list[str], data: list[str], wi
     def line(label, kls):
         return f"{label:50s} " + "  ".join(f"{d} {kl:.4f}" for d, kl in kls.items())
 
-    for i, variant in enumerate(variants):
-        recipe = QuantRecipe.from_dict({"method": "awq", **base, **parse_variant(variant)})
+    for i, (variant, recipe) in enumerate(recipes):
         start = time.perf_counter()
         folded = folded_float_model(model, tokenizer, recipe)
         rounder = Rounder(folded, recipe)

@@ -900,11 +900,7 @@ def _awq_then_gptq(model: nn.Module, recipe: QuantRecipe, batches: torch.Tensor,
                          "runs, so it cannot run on an offloaded model (max_memory); use awq_rounding=gptq, or "
                          "load the model into RAM")
     _, blocks = decoder_blocks(model)
-    # the first pass's recipe: AWQ's own knobs; GPTQ's set to their defaults (a resumed run that changes only them
-    # reuses the fold)
-    gptq_only = ("damp_percent", "act_order", "static_groups", "block_size", "mse", "gptaq_alpha", "gptaq_max_step")
-    defaults = {f.name: f.default for f in dataclasses.fields(QuantRecipe) if f.name in gptq_only}
-    first = _without_tuning(dataclasses.replace(recipe, awq_next_inputs="float", **defaults))
+    first = _fold_recipe(recipe)
     options = awq_options(recipe, device)
     folded = None
     if state_dir is not None:
@@ -920,8 +916,7 @@ def _awq_then_gptq(model: nn.Module, recipe: QuantRecipe, batches: torch.Tensor,
                              f"state_dir or delete it")
         blocks.load_state_dict(saved["blocks"])
     else:
-        scaled = quantize_blockwise(model, first, batches,
-                                    AWQLayerQuantizer(recipe.config, options, scales_only=True), progress=progress)
+        scaled = fold_awq_scales(model, recipe, batches, device, progress)
         timings.update({f"AWQ pass: {k}": v for k, v in scaled.timings.items()})
         if folded is not None:
             save_torch_atomic({"record": json.dumps(record, sort_keys=True), "blocks": blocks.state_dict()}, folded)
@@ -929,6 +924,24 @@ def _awq_then_gptq(model: nn.Module, recipe: QuantRecipe, batches: torch.Tensor,
                                 state_dir=state_dir)
     timings.update({f"GPTQ pass: {k}": v for k, v in result.timings.items()})
     return dataclasses.replace(result, timings=timings)
+
+
+def _fold_recipe(recipe: QuantRecipe) -> QuantRecipe:
+    """The recipe of AWQ's scales-only pass: AWQ's own knobs; GPTQ's and the tuning's at their defaults (a resumed
+    run that changes only them reuses the fold); each block searched on the float block's outputs (with nothing
+    rounded there are no quantized outputs to take)."""
+    gptq_only = ("damp_percent", "act_order", "static_groups", "block_size", "mse", "gptaq_alpha", "gptaq_max_step")
+    defaults = {f.name: f.default for f in dataclasses.fields(QuantRecipe) if f.name in gptq_only}
+    return _without_tuning(dataclasses.replace(recipe, awq_next_inputs="float", **defaults))
+
+
+def fold_awq_scales(model: nn.Module, recipe: QuantRecipe, batches: torch.Tensor, device="cpu",
+                    progress: bool = True) -> QuantizedStateDict:
+    """AWQ with nothing rounded: every block's scales searched and folded, its clips applied, in place; the model
+    stays float (an equivalent model but for the clips). Returns the pass's result (no weights; its timings)."""
+    return quantize_blockwise(model, _fold_recipe(recipe), batches,
+                              AWQLayerQuantizer(recipe.config, awq_options(recipe, device), scales_only=True),
+                              progress=progress)
 
 
 def layer_quantizer_for(recipe: QuantRecipe, device="cpu"):
