@@ -305,6 +305,42 @@ def test_a_foreign_directory_with_a_wrong_shape_is_an_error(exported):
         import_checkpoint(exported)
 
 
+def test_a_foreign_export_is_evaluated_against_the_float_model_reference_names(exported, tiny_llama_dir, tmp_path):
+    """A GPTQ directory another tool wrote does not say what it was quantized from: eval refuses to guess, and
+    `reference=` names the float model, whose KL to the checkpoint is then measured like our own checkpoints'."""
+    import os
+    import subprocess
+    import sys
+
+    (exported / "specquant_export.json").unlink()  # as another tool writes it: no record of its float source
+
+    def specquant(*args):
+        return subprocess.run([sys.executable, "-m", "toolkit", "eval", f"model={exported}", "task=ppl", "window=48",
+                               "max_windows=2", "engine.threads=1", "store=none", *args], capture_output=True,
+                              text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                           "SPECQUANT_HOME": str(tmp_path / "home")})
+
+    refused = specquant()
+    assert refused.returncode != 0 and "reference=NAME_OR_DIR" in refused.stderr + refused.stdout
+    out = tmp_path / "e.json"
+    run = specquant(f"reference={tiny_llama_dir}", f"out={out}")
+    assert run.returncode == 0, run.stderr + run.stdout
+    result = json.loads(out.read_text())
+    assert f"reference={tiny_llama_dir}" in result["reference"]
+    assert result["kl"] > 0 and result["ppl"] != result["ref_ppl"]  # int4 weights against the float ones
+
+
+def test_a_reference_with_another_tokenizer_is_refused(tiny_llama_dir):
+    from types import SimpleNamespace
+
+    from toolkit.errors import InputError
+    from toolkit.evaluation.models import load_reference
+
+    other = SimpleNamespace(name="other", tokenizer=SimpleNamespace(get_vocab=lambda: {"<s>": 0, "a": 1}))
+    with pytest.raises(InputError, match="another tokenizer"):
+        load_reference("other", other, reference=str(tiny_llama_dir))
+
+
 def test_a_corrupted_source_checkpoint_is_not_exported(llama, tiny_tokenizer, tmp_path_factory):
     from toolkit.quant.checkpoint import TENSORS
 

@@ -27,7 +27,7 @@ def evaluate_model(cfg) -> dict:
     kind = kv_kind(cfg.kv)
     settings = Settings(**{key: cfg[key] for key in _SETTINGS})
     loaded = load_candidate(cfg.model.name, cfg.engine)
-    reference, reference_name = load_reference(cfg.model.name, loaded, kind)
+    reference, reference_name = load_reference(cfg.model.name, loaded, kind, cfg.get("reference"))
     split = cfg.data.get("split", "evaluation")
     texts = list(load_text(cfg.data.name, split)["text"])
     data = f"{cfg.data.name}/{split}"

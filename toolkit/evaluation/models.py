@@ -19,11 +19,19 @@ def load_candidate(name: str, engine_cfg=None):
     return loaded
 
 
-def load_reference(name: str, loaded, kind: str = "fp"):
-    """(reference model, or None when the candidate is its own reference; a description of it)."""
+def load_reference(name: str, loaded, kind: str = "fp", reference: str | None = None):
+    """(reference model, or None when the candidate is its own reference; a description of it).
+
+    ``reference`` (a registry name or model directory) names the float model to compare against instead, e.g. for
+    a checkpoint another tool made, which does not say what it was quantized from; its tokenizer must be the
+    candidate's (the same vocabulary, token for token), else the KL would compare unrelated tokens."""
     from toolkit.models import load_model
     from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 
+    if reference is not None:
+        chosen = load_model(reference, dtype=torch.float32)
+        _check_same_vocabulary(loaded, chosen, reference)
+        return chosen.model.eval(), f"{chosen.name} fp32 (reference={reference})"
     if is_quantized_checkpoint(name):
         source = read_manifest(name)["source"]
         return load_model(source, dtype=torch.float32).model.eval(), f"{source} fp32 (the checkpoint's float source)"
@@ -36,10 +44,19 @@ def load_reference(name: str, loaded, kind: str = "fp"):
 
             raise InputError(f"{name} is a GPTQ/AWQ-format checkpoint that does not say which float model it came "
                              "from, so there is no reference to compare against",
-                             "evaluate the float model it came from separately, or export it with specquant export "
-                             "(which records the source)")
+                             "name the float model it came from with reference=NAME_OR_DIR, or export it with "
+                             "specquant export (which records the source)")
         return load_model(source, dtype=torch.float32).model.eval(), f"{source} fp32 (the export's float source)"
     precision = loaded.precision
     if precision.compute == torch.float32 and precision.weights == torch.float32 and kind == "fp":
         return None, f"{loaded.name} fp32 itself (fp32 weights and activations, fp KV cache)"
     return load_model(name, dtype=torch.float32).model.eval(), f"{loaded.name} fp32 with the fp KV cache"
+
+
+def _check_same_vocabulary(loaded, chosen, reference: str) -> None:
+    from toolkit.errors import InputError
+
+    if loaded.tokenizer.get_vocab() != chosen.tokenizer.get_vocab():
+        raise InputError(f"reference={reference} has another tokenizer than {loaded.name} (their vocabularies "
+                         "differ), so their next-token distributions cannot be compared",
+                         "name the float model the candidate was quantized from, or leave reference unset")

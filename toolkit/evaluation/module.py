@@ -8,14 +8,15 @@ DESCRIPTION = """Inputs: `predictions`, the held-out documents (strings) the tas
 `model` (registry name, model directory or quantized checkpoint), `kv` (KV cache kind, default fp), `engine` (a
 dict of engine settings, default the engine's auto precision), and any protocol setting of toolkit.evaluation.suite.
 Settings (window, max_windows, chunk, items, max_context, gen_prompts, gen_prompt_tokens, gen_new_tokens).
-The reference is the float model in fp32 with an fp KV cache (a checkpoint's float source). The result holds the
-figures and the protocol they were measured under."""
+The reference is the float model in fp32 with an fp KV cache (a checkpoint's float source; `reference`, a
+registry name or directory, names another). The result holds the figures and the protocol they were measured
+under."""
 
 
 def compute(task: str, texts: list[str], model: str, kv: str = "fp", engine: dict | None = None,
-            data: str = "text", **settings) -> dict:
+            data: str = "text", reference: str | None = None, **settings) -> dict:
     loaded = load_candidate(model, engine)
-    reference, reference_name = load_reference(model, loaded, kv)
+    reference, reference_name = load_reference(model, loaded, kv, reference)
     out = run_tasks(loaded.model, loaded.tokenizer, list(texts), [task], Settings(**settings), reference, kv, data,
                     log=lambda line: None)
     return {**out["figures"], "protocol": out["protocol"][task], "reference": reference_name}
