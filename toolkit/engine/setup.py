@@ -75,7 +75,7 @@ def load_quantized_model(path):
     from pathlib import Path
 
     from toolkit.models.load import LoadedModel
-    from toolkit.quant.checkpoint import is_quantized_checkpoint, load_quantized, read_manifest
+    from toolkit.quant.checkpoint import is_quantized_checkpoint, load_quantized, peer_record, read_manifest
     from toolkit.quant.formats import detect_format, export_source, import_checkpoint
     from toolkit.quant.model_quant import swap_quantized_modules
     from toolkit.quant.qlinear import QuantLinear
@@ -88,7 +88,9 @@ def load_quantized_model(path):
     swap_quantized_modules(model, qsd, QuantLinear.from_quantized)
     recipe = qsd.recipe
     group = "per-channel" if recipe.group_size == -1 else f"g{recipe.group_size}"
-    label = f"{recipe.method} int{recipe.bits} {group}" + ("" if ours else f" ({detect_format(path)} format)")
+    peer = peer_record(path) if ours else None
+    method = f"{peer.get('tool')} {peer.get('method')}" if peer else recipe.method
+    label = f"{method} int{recipe.bits} {group}" + ("" if ours else f" ({detect_format(path)} format)")
     model.specquant_quant_label = label  # shown beside the dtype in results
     source = read_manifest(path).get("source") if ours else export_source(path)
     name = f"{source or Path(path).name} ({Path(path).name})"

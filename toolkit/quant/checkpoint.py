@@ -45,6 +45,7 @@ from toolkit.quant.primitives import QuantConfig, pack_int4_rows, unpack_int4_ro
 from toolkit.quant.quantized_weight import QuantizedWeight
 
 MANIFEST = "quant_manifest.json"
+PEER_RECORD = "peer.json"  # beside the manifest when another tool chose the codes (toolkit.bench.quant_peers)
 TENSORS = "quantized.safetensors"
 FORMAT = "specquant-quantized"
 FORMAT_VERSION = 1
@@ -192,6 +193,15 @@ def is_quantized_checkpoint(path: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
+def peer_record(path: str | Path) -> dict | None:
+    """What ``PEER_RECORD`` says of a checkpoint another tool quantized (`toolkit.bench.quant_peers`), else None."""
+    try:
+        record = json.loads((Path(path).expanduser() / PEER_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def read_manifest(path: str | Path) -> dict:
