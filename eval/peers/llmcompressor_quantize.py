@@ -80,7 +80,7 @@ def main():
               "group_size": qargs.group_size, "symmetric": bool(qargs.symmetric), "observer": str(qargs.observer),
               "calibration": list(windows.shape)}
     write_dump(args.out, model, layers, record)
-    print(json.dumps({k: v for k, v in record.items()}), f"{len(layers)} layers -> {args.out}")
+    print(json.dumps(record), f"{len(layers)} layers -> {args.out}")
 
 
 if __name__ == "__main__":

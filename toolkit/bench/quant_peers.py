@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import InputError
+from toolkit.fileio import write_json_atomic
 from toolkit.quant.checkpoint import PEER_RECORD
 
 _FLOAT = "float."
@@ -108,8 +109,8 @@ def checkpoint_from_dump(dump: str | Path, source: str, out: str | Path, force: 
                          bits=record["bits"], group_size=record["group_size"], symmetric=bool(record["symmetric"]))
     path = save_quantized(out, model, QuantizedStateDict(weights, recipe, errors=errors), loaded.tokenizer,
                           source=source, force=force)
-    (path / PEER_RECORD).write_text(json.dumps(record, indent=1) + "\n")
-    return path
+    write_json_atomic(path / PEER_RECORD, record)  # after the manifest, which does not list it: a checkpoint
+    return path                                    # killed before it loads as ours, labelled with our method
 
 
 def main(argv: list[str] | None = None) -> None:
