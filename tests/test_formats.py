@@ -308,22 +308,18 @@ def test_a_foreign_directory_with_a_wrong_shape_is_an_error(exported):
 def test_a_foreign_export_is_evaluated_against_the_float_model_reference_names(exported, tiny_llama_dir, tmp_path):
     """A GPTQ directory another tool wrote does not say what it was quantized from: eval refuses to guess, and
     `reference=` names the float model, whose KL to the checkpoint is then measured like our own checkpoints'."""
-    import os
-    import subprocess
-    import sys
+    from tests.test_cli import specquant
 
     (exported / "specquant_export.json").unlink()  # as another tool writes it: no record of its float source
 
-    def specquant(*args):
-        return subprocess.run([sys.executable, "-m", "toolkit", "eval", f"model={exported}", "task=ppl", "window=48",
-                               "max_windows=2", "engine.threads=1", "store=none", *args], capture_output=True,
-                              text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1",
-                                                           "SPECQUANT_HOME": str(tmp_path / "home")})
+    def evaluate(*args):
+        return specquant("eval", f"model={exported}", "task=ppl", "window=48", "max_windows=2", "engine.threads=1",
+                         "store=none", *args, env={"SPECQUANT_HOME": str(tmp_path / "home")})
 
-    refused = specquant()
+    refused = evaluate()
     assert refused.returncode != 0 and "reference=NAME_OR_DIR" in refused.stderr + refused.stdout
     out = tmp_path / "e.json"
-    run = specquant(f"reference={tiny_llama_dir}", f"out={out}")
+    run = evaluate(f"reference={tiny_llama_dir}", f"out={out}")
     assert run.returncode == 0, run.stderr + run.stdout
     result = json.loads(out.read_text())
     assert f"reference={tiny_llama_dir}" in result["reference"]

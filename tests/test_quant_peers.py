@@ -2,6 +2,7 @@
 checkpoint that runs exactly as our own with the same codes would. The peers themselves (llm-compressor,
 AutoRound) need their own venv and are not run here."""
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -26,18 +27,24 @@ def llama(tiny_llama_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-def _peer_dump(llama, path, qsd, **record):
-    """A dump as a peer writes it, of codes we chose: the float rest changed (as AWQ's folded norms are) so the
-    test sees that it is carried."""
-    layers = {name: (qw.codes, qw.scale, qw.zero) for name, qw in qsd.weights.items()}
+@contextlib.contextmanager
+def _norm_changed(llama):
+    """The final norm scaled while inside, as AWQ's fold changes norms: so a test sees the float rest carried."""
     with torch.no_grad():
         llama.model.norm.weight.mul_(1.5)
     try:
-        write_dump(str(path), llama, layers, {"tool": "a-peer", "method": "awq", "seconds": 1.0, "peak_rss_gib": 0.1,
-                                              "bits": 4, "group_size": 32, "symmetric": False, **record})
+        yield llama
     finally:
         with torch.no_grad():
             llama.model.norm.weight.div_(1.5)
+
+
+def _peer_dump(llama, path, qsd, **record):
+    """A dump as a peer writes it, of codes we chose, with the final norm changed."""
+    layers = {name: (qw.codes, qw.scale, qw.zero) for name, qw in qsd.weights.items()}
+    with _norm_changed(llama):
+        write_dump(str(path), llama, layers, {"tool": "a-peer", "method": "awq", "seconds": 1.0, "peak_rss_gib": 0.1,
+                                              "bits": 4, "group_size": 32, "symmetric": False, **record})
 
 
 def _logits(path, ids):
@@ -55,13 +62,8 @@ def test_a_peer_dump_runs_exactly_as_our_checkpoint_of_the_same_codes(llama, tin
     assert sorted(record["layers"]) == sorted(qsd.weights) and "float.model.norm.weight" in tensors
     assert "float.lm_head.weight" not in tensors  # tied to the embeddings: saved once
 
-    with torch.no_grad():
-        llama.model.norm.weight.mul_(1.5)
-    try:
+    with _norm_changed(llama):
         ours = save_quantized(tmp_path / "ours", llama, qsd, source=str(tiny_llama_dir))
-    finally:
-        with torch.no_grad():
-            llama.model.norm.weight.div_(1.5)
     theirs = checkpoint_from_dump(dump, str(tiny_llama_dir), tmp_path / "theirs")
     ids = torch.randint(0, llama.config.vocab_size, (2, 24))
     assert torch.equal(_logits(ours, ids), _logits(theirs, ids))
