@@ -6,7 +6,8 @@
 
 --method awq: `AWQModifier()` (its default mappings for the architecture) then `QuantizationModifier`;
 gptq: `GPTQModifier`; rtn: `QuantizationModifier` alone. All with scheme W4A16_ASYM (4 bits, asymmetric, group 128),
-targets Linear, lm_head ignored: the examples' recipe."""
+targets Linear, lm_head ignored: the examples' recipe. `--group-size N` keeps the scheme's weights but groups of N
+(its presets are all g128; SmolLM2's width 576 needs g64), as a `config_groups` entry, the documented way to set one."""
 
 import argparse
 import json
@@ -19,11 +20,17 @@ from transformers import AutoModelForCausalLM
 from peer_dump import peak_rss_gib, versions, write_dump
 
 
-def recipe(method: str, scheme: str):
+def recipe(method: str, scheme: str, group_size: int | None):
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
     quant = dict(ignore=["lm_head"], scheme=scheme, targets=["Linear"])
+    if group_size is not None:
+        from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
+
+        weights = preset_name_to_scheme(scheme, ["Linear"]).weights.model_copy(update={"group_size": group_size})
+        quant = dict(ignore=["lm_head"], config_groups={"group_0": QuantizationScheme(targets=["Linear"],
+                                                                                    weights=weights)})
     return {"awq": lambda: [AWQModifier(), QuantizationModifier(**quant)],
             "gptq": lambda: [GPTQModifier(**quant)],
             "rtn": lambda: [QuantizationModifier(**quant)]}[method]()
@@ -53,6 +60,7 @@ def main():
     parser.add_argument("--calibration", required=True, help="[n, seq_len] int64 windows (torch.save)")
     parser.add_argument("--method", choices=("awq", "gptq", "rtn"), required=True)
     parser.add_argument("--scheme", default="W4A16_ASYM")
+    parser.add_argument("--group-size", type=int, help="the scheme's weights in groups of this many (default: its own)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -67,8 +75,8 @@ def main():
     windows = torch.load(args.calibration)
     data = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
     start = time.perf_counter()
-    oneshot(model=model, dataset=data, recipe=recipe(args.method, args.scheme), max_seq_length=windows.shape[1],
-            num_calibration_samples=windows.shape[0])
+    oneshot(model=model, dataset=data, recipe=recipe(args.method, args.scheme, args.group_size),
+            max_seq_length=windows.shape[1], num_calibration_samples=windows.shape[0])
     seconds = time.perf_counter() - start
     layers, qargs = {}, None
     for name, module in model.named_modules():
