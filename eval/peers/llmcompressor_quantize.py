@@ -24,13 +24,14 @@ def recipe(method: str, scheme: str, group_size: int | None):
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    quant = dict(ignore=["lm_head"], scheme=scheme, targets=["Linear"])
-    if group_size is not None:
+    if group_size is None:
+        quant = dict(ignore=["lm_head"], scheme=scheme, targets=["Linear"])
+    else:
         from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
 
         weights = preset_name_to_scheme(scheme, ["Linear"]).weights.model_copy(update={"group_size": group_size})
-        quant = dict(ignore=["lm_head"], config_groups={"group_0": QuantizationScheme(targets=["Linear"],
-                                                                                    weights=weights)})
+        group = QuantizationScheme(targets=["Linear"], weights=weights)
+        quant = dict(ignore=["lm_head"], config_groups={"group_0": group})
     return {"awq": lambda: [AWQModifier(), QuantizationModifier(**quant)],
             "gptq": lambda: [GPTQModifier(**quant)],
             "rtn": lambda: [QuantizationModifier(**quant)]}[method]()
