@@ -12,7 +12,7 @@ import torch
 
 from toolkit.bench.quant_peers import checkpoint_from_dump, main, read_dump
 from toolkit.errors import InputError
-from toolkit.quant.checkpoint import load_quantized, peer_record, save_quantized
+from toolkit.quant.checkpoint import load_quantized, peer_record, read_manifest, save_quantized
 from toolkit.quant.model_quant import QuantRecipe, quantize_model, swap_quantized_modules
 from toolkit.quant.qlinear import QuantLinear
 
@@ -68,7 +68,7 @@ def test_a_peer_dump_runs_exactly_as_our_checkpoint_of_the_same_codes(llama, tin
     ids = torch.randint(0, llama.config.vocab_size, (2, 24))
     assert torch.equal(_logits(ours, ids), _logits(theirs, ids))
     assert peer_record(theirs)["tool"] == "a-peer" and peer_record(ours) is None
-    manifest = json.loads((theirs / "quant_manifest.json").read_text())
+    manifest = read_manifest(theirs)
     assert manifest["source"] == str(tiny_llama_dir) and manifest["recipe"]["method"] == "awq"
 
 
@@ -80,7 +80,7 @@ def test_the_engine_labels_a_peer_checkpoint_with_the_peers_method(llama, tiny_l
     qsd = quantize_model(llama, QuantRecipe(bits=4, group_size=32, symmetric=False), progress=False)
     _peer_dump(llama, tmp_path / "d.safetensors", qsd, tool="auto-round", method="autoround")
     out = checkpoint_from_dump(tmp_path / "d.safetensors", str(tiny_llama_dir), tmp_path / "ck")
-    assert json.loads((out / "quant_manifest.json").read_text())["recipe"]["method"] == "rtn"  # our nearest
+    assert read_manifest(out)["recipe"]["method"] == "rtn"  # our nearest
     loaded = load_engine_model(str(out), OmegaConf.create(
         {"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": None, "compile": False}))
     assert loaded.model.specquant_quant_label.startswith("auto-round autoround int4 g32")

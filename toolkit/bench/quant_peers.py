@@ -31,7 +31,7 @@ import torch
 
 from toolkit.errors import InputError
 from toolkit.fileio import write_json_atomic
-from toolkit.quant.checkpoint import PEER_RECORD
+from toolkit.quant.checkpoint import PEER_RECORD, peer_record
 
 _FLOAT = "float."
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.out}: {tuple(windows.shape)} windows of {args.dataset}")
     else:
         path = checkpoint_from_dump(args.dump, args.source, args.out, args.force)
-        record = json.loads((path / PEER_RECORD).read_text())
+        record = peer_record(path)
         print(f"wrote {path}: {len(record['layers'])} layers from {record['tool']} {record['method']} "
               f"({record['seconds']:.1f} s, peak RSS {record['peak_rss_gib']:.2f} GiB in the peer's run)")
 
