@@ -17,8 +17,9 @@ One block at a time, on the float inputs each Linear saw (`InputCollector`):
    squared error of the group's output against the float output on ``search_samples`` calibration sequences; the
    best ``alpha`` wins. The output
    measured is the MLP's for gate/up (it is nonlinear in them; AutoAWQ does the same; ``mlp_dtype="bf16"``
-   runs those candidates in bf16) and the Linears' own outputs otherwise (AutoAWQ runs the whole attention for
-   q,k,v: a cheaper, slightly weaker proxy here), measured through the inputs' Gram matrix: the same loss.
+   runs those candidates in bf16) and the Linears' own outputs otherwise, measured through the inputs' Gram
+   matrix: the same loss. (AutoAWQ runs the whole attention for q,k,v; measured, that was better on Gemma's plain
+   recipe, mixed on SmolLM2 and on Gemma's best search, at twice the search time: README "Gemma's AWQ at w4g128".)
    ``duo_scaling`` uses AutoAWQ's later ``s = mean|x|^a / mean|w|^(1-a)``.
 2. **Fold**: the Linears' input columns are multiplied by ``s``; the producer's output is divided by ``s``:
    an RMSNorm weight ``w -> w / s``, or for Gemma's ``(1 + w)`` norm ``w -> (1 + w) / s - 1`` (the norm kind is
