@@ -187,3 +187,65 @@ def test_a_resumed_run_that_changes_only_the_tuning_reuses_the_quantized_blocks(
     assert second.tuning["steps"] == 2 * 8
     for name, qw in first.weights.items():
         assert torch.equal(second.weights[name].codes, qw.codes), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_kl_and_its_gradient_are_autograds_over_whole_windows(monkeypatch, dtype):
+    # chunks of 3 positions over 2 x 10 (9 scored: the last chunk ragged); the reference: F.kl_div of two
+    # log_softmaxes, differentiated by autograd
+    monkeypatch.setattr(scale_tuning, "_KL_CHUNK_ELEMENTS", 3 * 1000)
+    gen = torch.Generator().manual_seed(0)
+    student = (torch.randn(2, 10, 1000, generator=gen) * 4).to(dtype).requires_grad_()
+    teacher = (torch.randn(2, 10, 1000, generator=gen) * 4).to(dtype)
+    weights = torch.rand(2, 9, generator=gen)
+
+    expected = torch.nn.functional.kl_div(student[:, 1:].float().log_softmax(-1),
+                                          teacher[:, 1:].float().log_softmax(-1),
+                                          log_target=True, reduction="none").sum(-1)
+    (expected * weights).sum().backward()
+    expected_grad, student.grad = student.grad.clone(), None
+    got = scale_tuning._kl_per_token(student, teacher)
+    (got * weights).sum().backward()
+
+    assert got.shape == (2, 9)
+    assert torch.equal(got, expected)  # the same float32 ops per position
+    assert student.grad.dtype == dtype
+    assert torch.equal(student.grad[:, 0], torch.zeros_like(student.grad[:, 0]))  # BOS's position: not scored
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-7)
+    torch.testing.assert_close(student.grad.float(), expected_grad.float(), **tol)
+    assert float((student.grad.float() - expected_grad.float()).norm() / expected_grad.float().norm()) < 1e-4
+
+
+def _group_scaled(g_idx, in_features, group_size=32):
+    from toolkit.quant.primitives import QuantConfig
+    from toolkit.quant.rtn import rtn_quantize
+
+    weight = torch.randn(5, in_features, generator=torch.Generator().manual_seed(1))
+    qw = rtn_quantize(weight, QuantConfig(bits=4, group_size=group_size, symmetric=False))
+    if g_idx is not None:
+        qw = dataclasses.replace(qw, g_idx=g_idx)
+    return qw, scale_tuning._GroupScaledWeight(qw)
+
+
+@pytest.mark.parametrize("in_features,g_idx,broadcast", [
+    (96, None, True),  # three whole groups of consecutive columns
+    (96, (torch.arange(96) % 3).int(), False),  # an act-order permutation
+    (80, None, False),  # a ragged last group (zero-padded by the quantizer)
+])
+def test_a_group_scaled_weight_is_its_codes_times_the_trained_scales(in_features, g_idx, broadcast):
+    # consecutive groups of one width take the broadcast path, the others the per-column gather; both are
+    # (codes - zero) * scale per column's group, the dequantized weight at theta = 0, and the scale's gradient
+    # is the sum over each group's columns
+    qw, scaled = _group_scaled(g_idx, in_features)
+    assert (scaled.width is not None) == broadcast
+    torch.testing.assert_close(scaled(None), qw.dequantize(), rtol=1e-6, atol=0)
+    with torch.no_grad():
+        scaled.theta.copy_(torch.linspace(-0.3, 0.3, scaled.theta.numel()).reshape(scaled.theta.shape))
+    grad_out = torch.randn(5, in_features, generator=torch.Generator().manual_seed(2))
+    (scaled(None) * grad_out).sum().backward()
+    groups = qw.group_index()
+    offsets = qw.codes.float() - qw.zero[:, groups].float()
+    scale = qw.scale * torch.exp(scaled.theta.detach())
+    torch.testing.assert_close(scaled(None).detach(), offsets * scale[:, groups])
+    expected = torch.zeros_like(scale).index_add_(1, groups, offsets * grad_out) * scale
+    torch.testing.assert_close(scaled.theta.grad, expected)

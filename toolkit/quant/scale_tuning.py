@@ -65,11 +65,21 @@ class _GroupScaledWeight(nn.Module):
         self.register_buffer("scale0", qw.scale.float().clone())
         self.register_buffer("groups", groups)
         self.theta = nn.Parameter(torch.zeros_like(self.scale0))
+        # groups of consecutive columns, all of one width (no act-order permutation, no ragged last group): the
+        # scale is broadcast over a [out, groups, width] view, whose backward is a sum over each group, instead of
+        # gathered per column, whose backward is a scatter-add (index_put: a sixth of a Gemma tuning step)
+        out, cols = self.offsets.shape
+        width = cols // self.scale0.shape[1]
+        self.width = width if width * self.scale0.shape[1] == cols and torch.equal(
+            groups, torch.arange(cols) // width) else None
 
     def scale(self) -> torch.Tensor:
         return self.scale0 * torch.exp(self.theta)
 
     def forward(self, _original: torch.Tensor) -> torch.Tensor:
+        if self.width is not None:
+            out, cols = self.offsets.shape
+            return (self.offsets.float().view(out, -1, self.width) * self.scale()[:, :, None]).view(out, cols)
         return self.offsets.float() * self.scale()[:, self.groups]
 
 
@@ -95,11 +105,55 @@ def _norms(model: nn.Module) -> dict[str, nn.Module]:
             and isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 1}
 
 
+_KL_CHUNK_ELEMENTS = 1 << 19  # logits per chunk of positions (float32: 2 MB, so a chunk's passes stay in cache)
+
+
+def _kl_rows(student: torch.Tensor, teacher: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(log_softmax(student), log_softmax(teacher))`` of ``rows`` of [positions, vocab] logits."""
+    # (dtype=: the kernel reads bf16 logits and computes in float32, no float32 copy of the chunk first)
+    return (torch.log_softmax(student[rows], -1, dtype=torch.float32),
+            torch.log_softmax(teacher[rows], -1, dtype=torch.float32))
+
+
+class _ChunkedKL(torch.autograd.Function):
+    """KL(teacher || student) per row of [positions, vocab] logits, a chunk of rows at a time.
+
+    Autograd's version (``F.kl_div`` of two ``log_softmax``) runs each op over the whole window and keeps its
+    float32 intermediates for the backward: with Gemma's 262,144-token vocabulary 537 MB each, every pass a trip
+    to memory, a third of a tuning step's time. Here forward and backward each go over the logits a chunk of
+    positions at a time, small enough that a chunk's several passes stay in cache (the backward recomputes the
+    log-softmaxes), and keep only the logits: forward and backward 3x faster on Gemma's windows. The gradient is
+    the one autograd forms: d/dz of ``sum p_t (log p_t - log_softmax(z))`` is ``softmax(z) * sum(p_t) - p_t``."""
+
+    @staticmethod
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        step = max(1, _KL_CHUNK_ELEMENTS // student.shape[-1])
+        out = torch.empty(student.shape[0], dtype=torch.float32, device=student.device)
+        for i in range(0, student.shape[0], step):
+            s, t = _kl_rows(student, teacher, slice(i, i + step))
+            out[i:i + step] = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)
+        ctx.save_for_backward(student, teacher)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        student, teacher = ctx.saved_tensors
+        step = max(1, _KL_CHUNK_ELEMENTS // student.shape[-1])
+        grad_student = torch.empty_like(student)
+        for i in range(0, student.shape[0], step):
+            s, t = _kl_rows(student, teacher, slice(i, i + step))
+            p_t = t.exp_()
+            s.exp_().mul_(p_t.sum(-1, keepdim=True)).sub_(p_t).mul_(grad[i:i + step, None].float())
+            grad_student[i:i + step] = s
+        return grad_student, None
+
+
 def _kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || student) per position, every position after the first (the first predicts from BOS alone)."""
-    s = student_logits[:, 1:].float().log_softmax(-1)
-    t = teacher_logits[:, 1:].float().log_softmax(-1)
-    return F.kl_div(s, t, log_target=True, reduction="none").sum(-1)
+    """KL(teacher || student) per position [batch, positions - 1], every position after the first (the first
+    predicts from BOS alone); the teacher's logits get no gradient."""
+    batch, positions = student_logits.shape[:2]
+    rows = [_ChunkedKL.apply(student_logits[b, 1:], teacher_logits[b, 1:].detach()) for b in range(batch)]
+    return torch.stack(rows).reshape(batch, positions - 1)
 
 
 def _window_order(n: int, epoch: int) -> list[int]:
