@@ -233,7 +233,7 @@ def _group_scaled(g_idx, in_features, group_size=32):
     (80, None, False),  # a ragged last group (zero-padded by the quantizer)
 ])
 def test_a_group_scaled_weight_is_its_codes_times_the_trained_scales(in_features, g_idx, broadcast):
-    # consecutive groups of one width take the broadcast path, the others the per-column gather; both are
+    # consecutive groups of one width take the broadcast path, the others a one-hot matmul; both are
     # (codes - zero) * scale per column's group, the dequantized weight at theta = 0, and the scale's gradient
     # is the sum over each group's columns
     qw, scaled = _group_scaled(g_idx, in_features)
@@ -249,3 +249,5 @@ def test_a_group_scaled_weight_is_its_codes_times_the_trained_scales(in_features
     torch.testing.assert_close(scaled(None).detach(), offsets * scale[:, groups])
     expected = torch.zeros_like(scale).index_add_(1, groups, offsets * grad_out) * scale
     torch.testing.assert_close(scaled.theta.grad, expected)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as the tuning runs it: still float32
+        assert torch.equal(scaled(None), offsets * scale[:, groups])

@@ -63,24 +63,29 @@ class _GroupScaledWeight(nn.Module):
         # codes - zero are integers in [-(2^bits - 1), 2^bits - 1]: exact in bf16 for up to 8 bits, at half the bytes
         self.register_buffer("offsets", (qw.codes.float() - qw.zero[:, groups].float()).to(torch.bfloat16))
         self.register_buffer("scale0", qw.scale.float().clone())
-        self.register_buffer("groups", groups)
         self.theta = nn.Parameter(torch.zeros_like(self.scale0))
-        # groups of consecutive columns, all of one width (no act-order permutation, no ragged last group): the
-        # scale is broadcast over a [out, groups, width] view, whose backward is a sum over each group, instead of
-        # gathered per column, whose backward is a scatter-add (index and index_put: 15% of a Gemma tuning step)
+        # Each column's group scale, without a per-column gather (``scale[:, groups]``), whose backward is a
+        # scatter-add (index and index_put: 15% of a Gemma tuning step). Groups of consecutive columns, all of
+        # one width: the scale broadcast over a [out, groups, width] view, its backward a sum per group. Others
+        # (act-order's permutation, a ragged last group): ``scale @ one_hot``, [out, groups] x [groups, in], exact
+        # (one nonzero term per sum), its backward a matmul (4-5x faster than the gather's on Gemma's shapes).
         out, cols = self.offsets.shape
         width = cols // self.scale0.shape[1]
         self.width = width if width * self.scale0.shape[1] == cols and torch.equal(
             groups, torch.arange(cols) // width) else None
+        if self.width is None:
+            self.register_buffer("one_hot", F.one_hot(groups, self.scale0.shape[1]).t().float().contiguous())
 
     def scale(self) -> torch.Tensor:
         return self.scale0 * torch.exp(self.theta)
 
     def forward(self, _original: torch.Tensor) -> torch.Tensor:
+        out, cols = self.offsets.shape
         if self.width is not None:
-            out, cols = self.offsets.shape
             return (self.offsets.float().view(out, -1, self.width) * self.scale()[:, :, None]).view(out, cols)
-        return self.offsets.float() * self.scale()[:, self.groups]
+        # (float32 even under autocast, which would run the matmul in bf16 and round the scales)
+        with torch.autocast(self.offsets.device.type, enabled=False):
+            return self.offsets.float() * (self.scale() @ self.one_hot)
 
 
 class _RelativeGain(nn.Module):
