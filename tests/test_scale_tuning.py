@@ -208,7 +208,9 @@ def test_the_chunked_kl_and_its_gradient_are_autograds_over_whole_windows(monkey
     (got * weights).sum().backward()
 
     assert got.shape == (2, 9)
-    assert torch.equal(got, expected)  # the same float32 ops per position
+    # the same float32 ops per position (at Gemma's 262,144 columns the log-softmax kernel's reduction order can
+    # depend on the chunk's row count: within 1e-6 there)
+    assert torch.equal(got, expected)
     assert student.grad.dtype == dtype
     assert torch.equal(student.grad[:, 0], torch.zeros_like(student.grad[:, 0]))  # BOS's position: not scored
     tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-7)

@@ -113,11 +113,15 @@ def _norms(model: nn.Module) -> dict[str, nn.Module]:
 _KL_CHUNK_ELEMENTS = 1 << 19  # logits per chunk of positions (float32: 2 MB, so a chunk's passes stay in cache)
 
 
-def _kl_rows(student: torch.Tensor, teacher: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``(log_softmax(student), log_softmax(teacher))`` of ``rows`` of [positions, vocab] logits."""
-    # (dtype=: the kernel reads bf16 logits and computes in float32, no float32 copy of the chunk first)
-    return (torch.log_softmax(student[rows], -1, dtype=torch.float32),
-            torch.log_softmax(teacher[rows], -1, dtype=torch.float32))
+def _chunks(student: torch.Tensor, teacher: torch.Tensor):
+    """``(rows, log_softmax(student[rows]), log_softmax(teacher[rows]))`` in float32 over [positions, vocab]
+    logits, `_KL_CHUNK_ELEMENTS` logits' worth of positions at a time."""
+    step = max(1, _KL_CHUNK_ELEMENTS // student.shape[-1])
+    for i in range(0, student.shape[0], step):
+        rows = slice(i, i + step)
+        # (dtype=: the kernel reads bf16 logits and computes in float32, no float32 copy of the chunk first)
+        yield (rows, torch.log_softmax(student[rows], -1, dtype=torch.float32),
+               torch.log_softmax(teacher[rows], -1, dtype=torch.float32))
 
 
 class _ChunkedKL(torch.autograd.Function):
@@ -132,24 +136,19 @@ class _ChunkedKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-        step = max(1, _KL_CHUNK_ELEMENTS // student.shape[-1])
         out = torch.empty(student.shape[0], dtype=torch.float32, device=student.device)
-        for i in range(0, student.shape[0], step):
-            s, t = _kl_rows(student, teacher, slice(i, i + step))
-            out[i:i + step] = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)
+        for rows, s, t in _chunks(student, teacher):
+            out[rows] = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)
         ctx.save_for_backward(student, teacher)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         student, teacher = ctx.saved_tensors
-        step = max(1, _KL_CHUNK_ELEMENTS // student.shape[-1])
         grad_student = torch.empty_like(student)
-        for i in range(0, student.shape[0], step):
-            s, t = _kl_rows(student, teacher, slice(i, i + step))
+        for rows, s, t in _chunks(student, teacher):
             p_t = t.exp_()
-            s.exp_().mul_(p_t.sum(-1, keepdim=True)).sub_(p_t).mul_(grad[i:i + step, None])
-            grad_student[i:i + step] = s
+            grad_student[rows] = s.exp_().mul_(p_t.sum(-1, keepdim=True)).sub_(p_t).mul_(grad[rows, None])
         return grad_student, None
 
 
