@@ -80,8 +80,8 @@ class _GroupScaledWeight(nn.Module):
         return self.scale0 * torch.exp(self.theta)
 
     def forward(self, _original: torch.Tensor) -> torch.Tensor:
-        out, cols = self.offsets.shape
         if self.width is not None:
+            out, cols = self.offsets.shape
             return (self.offsets.float().view(out, -1, self.width) * self.scale()[:, :, None]).view(out, cols)
         # (float32 even under autocast, which would run the matmul in bf16 and round the scales)
         with torch.autocast(self.offsets.device.type, enabled=False):
