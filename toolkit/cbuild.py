@@ -11,12 +11,12 @@ import ctypes
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+from toolkit import cpu
 from toolkit.paths import home
 
 DISABLE_ENV = "SPECQUANT_NO_KERNELS"
@@ -32,16 +32,6 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def build(source: Path, stem: str, compiler: str, flags: list[str], includes: tuple[Path, ...] = ()) -> Path:
     """The shared library of `source` built with `flags` (built once, then found in the cache). `includes`: the files
     `source` #includes from other folders (their folders go on the include path and their bytes into the cache
@@ -49,7 +39,7 @@ def build(source: Path, stem: str, compiler: str, flags: list[str], includes: tu
     build fails."""
     flags = [*flags, *(f"-I{d}" for d in dict.fromkeys(str(p.parent) for p in includes))]
     text = source.read_bytes() + b"".join(p.read_bytes() for p in includes)
-    key = hashlib.sha256(text + " ".join([compiler, *flags, cpu_model()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([compiler, *flags, cpu.model(), *sorted(cpu.hardware_flags())]).encode()).hexdigest()[:16]
     target = home() / "kernels" / f"{stem}-{key}.so"
     if target.exists():
         return target

@@ -8,18 +8,7 @@ import time
 import psutil
 import torch
 
-from toolkit.engine.precision import cpu_flags, cpu_has_native_bf16
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from toolkit import cpu
 
 
 def measure_memory_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
@@ -52,13 +41,14 @@ def machine_facts(measure: bool = True) -> dict:
     import transformers
 
     facts = {
-        "cpu": cpu_model(),
+        "cpu": cpu.model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "native_bf16": cpu_has_native_bf16(),
-        "avx512": any(f.startswith("avx512") for f in cpu_flags()),
-        "amx_bf16": "amx_bf16" in cpu_flags(),  # engine.native_dot=bf16 then runs on the tile unit (bf16_native)
+        "native_bf16": cpu.native_bf16(),
+        "avx512": cpu.has("avx512f"),
+        "amx_bf16": cpu.has("amx_bf16"),  # engine.native_dot=bf16 then runs on the tile unit (bf16_native)
+        **cpu.describe(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    from toolkit.machine import cpu_model, measure_memory_bandwidth
+    from toolkit.cpu import model as cpu_model
+    from toolkit.machine import measure_memory_bandwidth
 
     bandwidth = measure_memory_bandwidth(gib=0.5, repeats=5)
     print(f"{cpu_model()} · torch {torch.__version__} · capability {torch.backends.cpu.get_cpu_capability()} · "

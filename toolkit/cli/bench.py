@@ -9,6 +9,7 @@ from rich.table import Table
 
 from toolkit.bench.baseline import float_source
 from toolkit.bench.latency import run_latency_bench
+from toolkit.engine.kernel_paths import kernel_paths, summary
 from toolkit.engine.precision import prepare_model, resolve_precision
 from toolkit.engine.setup import configure_engine, load_quantized_model, prepare_engine_model
 from toolkit.errors import InputError
@@ -48,7 +49,8 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
                         + (" and transformers generate() interleaved" if reference is not None else "")):
         figures = run_latency_bench(loaded.model, loaded.tokenizer, reference, prompt_ids, new_tokens, repeats,
                                     warmup, machine["memory_bandwidth_gbs"] * 1e9, kv=kv)
-    figures = {"model": loaded.name, "prompts": prompts, "threads": threads, **figures}
+    figures = {"model": loaded.name, "prompts": prompts, "threads": threads, "kernels": kernel_paths(loaded.model),
+               **figures}
     return make_result("bench", config, figures, machine)
 
 
@@ -70,6 +72,8 @@ def print_table(result: dict) -> None:
     m = result["machine"]
     console.print(f"machine: {m['cpu']}, {m['cores']} cores, native bf16: {m['native_bf16']}, measured read bandwidth "
                   f"{m['memory_bandwidth_gbs']:.1f} GB/s, fp32 matmul {m['matmul_fp32_gflops']:.0f} GFLOP/s")
+    if "kernels" in result:
+        console.print(summary(result["kernels"]), highlight=False)
     console.print("floor = bytes one decode step must read (weights + KV at the mean context) / measured bandwidth",
                   style="dim")
     if "baseline" in result:

@@ -3,6 +3,8 @@
 from rich.console import Console
 from rich.table import Table
 
+from toolkit.engine.kernel_paths import summary
+
 
 def _mb(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
@@ -32,6 +34,8 @@ def print_report(report: dict, console: Console) -> None:
               f"{w['tokens_per_char']:.3f}", f"{w['repeated_prefix_share']:.1%}")
     console.print(t)
     console.print(f"  {prefix_line(report)}", highlight=False)
+    if "kernels" in report:
+        console.print(f"  {summary(report['kernels'])}", highlight=False)
 
     s = report["split"]
     t = Table(title=f"2. TTFT vs ITL ({report['new_tokens']} new tokens): {report['dominant']}-dominated",

@@ -17,7 +17,7 @@ When it runs (`NativeDecoder.applies`; anything else takes the lean forward's to
   QuantLinear layers on specquant's int8 GEMM (an int8 per-channel checkpoint), or all four are fp16 products on
   fbgemm (fused `FusedPack`s and fp16-stored `HalfStorageLinear`s: the engine's default float precision on x86),
   which the stack runs from h16 packs of the same fp16 weights (made once per layer and kept on it: a second fp16
-  copy of the decoder's weights, 212 MB for SmolLM2) where the CPU has AVX512F (`engine.native_dot=bf16`: b16 packs
+  copy of the decoder's weights, 212 MB for SmolLM2) where the CPU has AVX2 + F16C (`engine.native_dot=bf16`: b16 packs
   of the weights rounded to bf16 instead, on `toolkit.quant.bf16_native`, AVX512-BF16); its norms RMSNorms, its
   activation SiLU, full rotary (no partial rotary, no sliding windows: what the lean forward already requires);
 - activations and KV cache in fp32, one sequence (batch 1, no padding mask), the cache a `ContiguousKVCache`
@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from toolkit import cbuild
+from toolkit import cbuild, cpu
 from toolkit.quant import bf16_native, half_native, int4_native, int8_native, vnni
 
 log = logging.getLogger(__name__)
@@ -300,6 +300,7 @@ class NativeDecoder:
         self.dims = dims
         self.n_layers = n_layers
         kinds = [q.kind for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.kinds = kinds
         self.w4a8 = kinds.count(W4A8)  # products on the w4a8 kernel (`of(..., activations="int8")`)
         self.half = kinds.count(H16) + kinds.count(B16)  # a float model's fp16 products (h16 or b16 kernel)
         # the fp32 int4 GEMM loses to dequantize + F.linear from the packs' max_rows on; the w4a8 kernel (integer
@@ -340,7 +341,7 @@ class NativeDecoder:
                                   "bf16 kernel available (AVX512-BF16) and an input width divisible by 32 "
                                   "(engine.native_dot=bf16)")
                 return None, ("not every q,k,v / gate,up / o / down product is int4 or int8 on specquant's kernels or "
-                              "fp16 on fbgemm with specquant's fp16 kernel available (AVX512F)")
+                              "fp16 on fbgemm with specquant's fp16 kernel available (AVX2 + F16C)")
             if plan.act is not F.silu:
                 return None, "an activation that is not SiLU"
             norms = _fp32(plan.input_norm), _fp32(plan.post_norm)
@@ -360,6 +361,21 @@ class NativeDecoder:
         decoder.head = _head_pack(model, dot)
         decoder.head_kernel = _HALF[dot][0]
         return decoder, ""
+
+    def describe(self) -> dict:
+        """What runs this stack's products and head, by kernel, with the ISA level they were built for."""
+        level = cpu.isa()
+        amx = " on AMX tiles" if bf16_native.amx_in_use() else ""
+        names = {N8: "int4 x fp32 (int4_gemm.c)", W4A8: "int4 x int8 VNNI (vnni_gemm.c)",
+                 H16: "fp16 x fp32 (half_gemm.c)", I8: "int8 x fp32 (int8_gemm.c)", B16: f"bf16 dot{amx} (bf16_gemm.c)"}
+        products: dict[str, int] = {}
+        for kind in self.kinds:
+            products[f"{names[kind]}, {level}"] = products.get(f"{names[kind]}, {level}", 0) + 1
+        head = None
+        if self.head is not None:
+            head = (f"bf16 dot{amx} (bf16_gemm.c), {level}" if self.head_kernel is bf16_native
+                    else f"fp16 x fp32 (half_gemm.c), {level}")
+        return {"decoder": f"native stack (decoder_layers.c), {level}", "products": products, "head": head}
 
     def applies(self, hidden: torch.Tensor, attention_mask, cache) -> bool:
         """Whether this call can run natively (see the module docstring); cheap checks only."""

@@ -23,13 +23,12 @@ and elementwise ops are slower than fp32 too. So `auto` means:
 
 import contextlib
 import dataclasses
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from toolkit import cpu
 from toolkit.errors import InputError
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -66,19 +65,12 @@ PREFILL_DTYPES = ("auto", "fp32", "bf16")
 BF16_DEQUANT_MIN_ROWS = 96
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return cpu.flags()
 
 
 def cpu_has_native_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    return cpu.native_bf16()
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
-from toolkit import cbuild
+from toolkit import cbuild, cpu
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "dequant.c"
 # -ffp-contract=off: the compiler fuses no multiply-add on its own, so every product and sum rounds as torch's separate
 # ops do (the one fused step, in the rotation, is an explicit fmaf where torch's addcmul_ fuses too): bit-equal
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", *cpu.march(), "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 MAX_HEAD_DIM = 512  # the kernel's row buffer
 
 

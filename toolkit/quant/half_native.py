@@ -1,4 +1,4 @@
-"""specquant's fp16-weight GEMM for x86 CPUs with AVX512F (toolkit/quant/c/half_gemm.c): fp16 weights widened in
+"""specquant's fp16-weight GEMM for x86 CPUs with AVX512F or AVX2 + F16C (toolkit/quant/c/half_gemm.c): fp16 weights widened in
 registers, fp32 activations and accumulation, built on first use (`toolkit.cbuild`).
 
 Why: the engine's default float precision is fp16 weights with fp32 activations, which fbgemm's fp16 GEMM runs well
@@ -40,7 +40,7 @@ TILE = 4
 
 def load(flags: tuple[str, ...] = tuple(FLAGS)):
     """Build (once per source, flags and CPU) and load the library; None where it cannot be built or the CPU lacks
-    AVX512F (the function then returns 2: callers keep fbgemm)."""
+    AVX2 + F16C + FMA (the function then returns 2: callers keep fbgemm)."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     return cbuild.load_kernel(SOURCE, "half-gemm", list(flags), "fp16-weight GEMM kernel", "fp16 layers keep fbgemm",
                               log, {"sq_f16_linear": [p, i64, i64, p, p, i64, p]}, _self_test)
@@ -50,7 +50,7 @@ def _self_test(lib) -> str | None:
     x, y = torch.ones(1, 8), torch.empty(1, 16)
     w = pack(torch.ones(16, 8, dtype=torch.float16))
     rc = lib.sq_f16_linear(x.data_ptr(), 1, 8, w.data_ptr(), None, 16, y.data_ptr())
-    return cbuild.self_test_verdict(rc, torch.equal(y, torch.full((1, 16), 8.0)), "AVX512F")
+    return cbuild.self_test_verdict(rc, torch.equal(y, torch.full((1, 16), 8.0)), "AVX2 + F16C + FMA")
 
 
 @lru_cache(maxsize=1)
@@ -151,5 +151,5 @@ def _bench() -> None:
 
 if __name__ == "__main__":
     if not available():
-        raise SystemExit("the fp16 GEMM kernel is not available here (no compiler or no AVX512F)")
+        raise SystemExit("the fp16 GEMM kernel is not available here (no compiler or no AVX2 + F16C)")
     _bench()

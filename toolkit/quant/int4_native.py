@@ -35,14 +35,14 @@ from pathlib import Path
 
 import torch
 
-from toolkit import cbuild
+from toolkit import cbuild, cpu
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "c" / "int4_gemm.c"
 # -ffp-contract=off: the compiler fuses no multiply-add on its own (the kernel's FMAs are explicit), so every tiling
 # instance rounds the same way and a row's result does not depend on the rows beside it
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", *cpu.march(), "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 BLOCK_N = 8  # output channels per block of the n8 layout
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit import cbuild
+from toolkit import cbuild, cpu
 from toolkit.quant import half_native
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "c" / "int8_gemm.c"
 # -ffp-contract=off: the compiler fuses no multiply-add on its own (the kernel's FMAs are explicit), so every tiling
 # instance rounds the same way and a row's result does not depend on the rows beside it
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", *cpu.march(), "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 N_MULTIPLE = half_native.BLOCK_N  # out_features must be a multiple of this (one block of the h16 order)
 
 

@@ -1,4 +1,5 @@
-/* y[M,N] = x[M,K] @ W.T (+ bias) for an fp16 W, fp32 activations and accumulation (AVX512F: vcvtph2ps + FMA).
+/* y[M,N] = x[M,K] @ W.T (+ bias) for an fp16 W, fp32 activations and accumulation (AVX512F, or AVX2 + F16C:
+ * vcvtph2ps + FMA).
  *
  * Layout "h16" (documented in toolkit/quant/half_native.py, packed by half_native.pack): output channels in blocks
  * of 16, blocks in tiles of 4 (the last tile may hold fewer, nt), each tile stored in the order the kernel reads it:
@@ -10,8 +11,8 @@
  * independent: a row's sums run in the same order whatever M or the tiling, so a row's result does not depend on
  * the rows beside it -- what speculative verification needs from a target.
  *
- * Constraints (checked by the caller, returned as nonzero here): N % 16 == 0. Without AVX512F the function returns
- * 2 and the caller keeps fbgemm.
+ * Constraints (checked by the caller, returned as nonzero here): N % 16 == 0. Builds for AVX512F or AVX2 + F16C +
+ * FMA; without either the function returns 2 and the caller keeps fbgemm.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -69,6 +70,67 @@ int sq_f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, const
             case 3: HROWS(3); break;
             case 2: HROWS(2); break;
             default: HROWS(1); break;
+        }
+    }
+    return 0;
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define HALF_INLINE static inline __attribute__((always_inline))
+
+/* AVX2 + F16C: a block of 16 outputs is two 8-lane registers, 16 registers in all. One row takes a whole tile (8
+ * accumulators); several rows take the tile two blocks at a time, up to 3 rows a pass (12 accumulators, 3
+ * broadcasts, 1 weight). Each output's sum is the same chain as the AVX512 build's -- bias (or 0), then one FMA per
+ * input column in order -- so the two builds agree bit for bit and rows stay independent. */
+HALF_INLINE void htile2(const float *x, int64_t K, const uint16_t *w, const float *bias, float *y, int64_t N,
+                        int64_t t, int64_t nb, int64_t j0, const int NJ, const int R) {
+    const uint16_t *wt = w + t * 4 * 16 * K + j0 * 16;
+    const int64_t c0 = (4 * t + j0) * 16;
+    __m256 acc[3][8];
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2 * NJ; h++) acc[r][h] = bias ? _mm256_loadu_ps(bias + c0 + h * 8) : _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const uint16_t *wk = wt + k * nb * 16;
+        __m256 xb[3];
+        for (int r = 0; r < R; r++) xb[r] = _mm256_set1_ps(x[r * K + k]);
+        for (int h = 0; h < 2 * NJ; h++) {
+            const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wk + h * 8)));
+            for (int r = 0; r < R; r++) acc[r][h] = _mm256_fmadd_ps(wv, xb[r], acc[r][h]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2 * NJ; h++) _mm256_storeu_ps(y + r * N + c0 + h * 8, acc[r][h]);
+}
+
+#define HTILE2(NJ, R) htile2(x + m * K, K, w, bias, y + m * N, N, i, nb, j0, NJ, R)
+
+int sq_f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y) {
+    if (N % 16 || K <= 0 || M < 0) return 1;
+    const int64_t nblk = N / 16, ntile = (nblk + 3) / 4;
+#pragma omp parallel for schedule(static) if (ntile > 1 && M * N * K > 32768)
+    for (int64_t i = 0; i < ntile; i++) {
+        const int64_t nb = nblk - 4 * i < 4 ? nblk - 4 * i : 4;
+        int64_t m = 0, j0 = 0;
+        if (M == 1) {
+            switch (nb) {
+                case 4: HTILE2(4, 1); break;
+                case 3: HTILE2(3, 1); break;
+                case 2: HTILE2(2, 1); break;
+                default: HTILE2(1, 1); break;
+            }
+            continue;
+        }
+        for (j0 = 0; j0 < nb; j0 += 2) {
+            const int64_t nj = nb - j0 < 2 ? nb - j0 : 2;
+            for (m = 0; m + 3 <= M; m += 3) {
+                if (nj == 2) HTILE2(2, 3); else HTILE2(1, 3);
+            }
+            if (M - m == 2) {
+                if (nj == 2) HTILE2(2, 2); else HTILE2(1, 2);
+            } else if (M - m == 1) {
+                if (nj == 2) HTILE2(2, 1); else HTILE2(1, 1);
+            }
         }
     }
     return 0;
