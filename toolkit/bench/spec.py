@@ -111,6 +111,7 @@ def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_token
     generation with prompt lookup on that model in fp32 (toolkit.bench.peers): once per float model, not again for
     each KV kind or for each checkpoint quantized from it."""
     from toolkit.data import build_prompts
+    from toolkit.engine.kernel_paths import kernel_paths
     from toolkit.engine.setup import load_engine_model
     from toolkit.machine import machine_facts
     from toolkit.results import make_result
@@ -125,7 +126,8 @@ def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_token
     figures = run_spec_bench(loaded.model, loaded.tokenizer, draft, length, prompt_ids, new_tokens, repeats, warmup,
                              kv=kv)
     figures = {"model": loaded.name, "prompts": prompts, "threads": torch.get_num_threads(), "spec": spec_cfg.kind,
-               "draft": describe_draft(draft), "k": length.k, "adaptive": length.adaptive, **figures}
+               "draft": describe_draft(draft), "k": length.k, "adaptive": length.adaptive,
+               "kernels": kernel_paths(loaded.model), **figures}
     if baseline == "hf" and not is_quantized_model(model_name) and kv_kind(kv) == "fp":
         figures.update(_peer(model_name, spec_cfg, prompt_ids, new_tokens, length, repeats, warmup, baseline_dtype))
     return make_result("bench", config, figures, machine)
