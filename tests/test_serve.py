@@ -249,7 +249,8 @@ BAD = [  # (body or raw bytes, status, param, code)
 
 @pytest.mark.parametrize("body,status,param,code", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
 def test_bad_completion_input_gets_openai_error(server, body, status, param, code):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
     response = httpx.post(server.url + "/v1/completions", timeout=30, **kw)
     assert response.status_code == status
     error = response.json()["error"]

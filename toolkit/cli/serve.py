@@ -19,7 +19,8 @@ def run(cfg) -> None:
                              max_batch=cfg.max_batch, max_queue=cfg.max_queue, max_kv_tokens=cfg.max_kv_tokens,
                              max_seq_len=cfg.max_seq_len, max_tokens=cfg.max_tokens, kv_budget_mb=cfg.kv_budget_mb,
                              block_size=int(cfg.block_size), prefix_cache=bool(cfg.prefix_cache), kv=cfg.kv,
-                             spec=cfg.spec, spec_max_batch=int(cfg.spec_max_batch))
+                             spec=cfg.spec, spec_max_batch=int(cfg.spec_max_batch),
+                             max_body_mb=float(cfg.max_body_mb), drain_timeout_s=float(cfg.drain_timeout_s))
     state = build_state(loaded, settings)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         console.print(f"[bold yellow]warning:[/] serving on {cfg.host} without api_key: anyone who can reach it "

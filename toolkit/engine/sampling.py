@@ -2,13 +2,21 @@
 
 `probabilities` is kept separate from `sample` because speculative decoding needs the exact distribution that
 sampling draws from (the same temperature/top-k/top-p applied to target and draft) for rejection sampling.
+
+No accepted setting can make the distribution inf/NaN: a temperature below GREEDY_BELOW is greedy (the limit of
+sampling as the temperature goes to 0; dividing logits by 1e-45 would overflow float32); logits that would still
+overflow are shifted so their largest finite value is 0 before dividing; and a row whose distribution is still not
+finite (NaN logits from upstream) falls back to its argmax.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from toolkit.errors import InputError
+
+GREEDY_BELOW = 1e-4  # temperatures below this decode greedily (at 1e-4 a logit gap of 0.01 already means e^-100)
 
 
 @dataclass(frozen=True)
@@ -19,6 +27,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise InputError(f"{name} must be a finite number, got {getattr(self, name)}", f"set {name} to a number")
         if self.temperature < 0:
             raise InputError(f"temperature must be >= 0, got {self.temperature}", "use 0 for greedy decoding")
         if self.top_k < 0:
@@ -28,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def generator(self, device="cpu") -> torch.Generator | None:
         if self.seed is None:
@@ -51,7 +62,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    finite = torch.isfinite(logits)
+    scaled = logits / params.temperature
+    if not bool((torch.isfinite(scaled) | ~finite).all()):  # overflowed: shift the largest finite logit to 0 first,
+        top = torch.where(finite, logits, torch.finfo(logits.dtype).min).amax(-1, keepdim=True)  # then a small
+        scaled = torch.where(finite, logits - top, float("-inf")) / params.temperature  # temperature only sends the
+    logits = scaled  # others towards -inf
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -61,7 +77,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # Drop a token when the tokens before it already cover top_p; the most likely token always stays.
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    bad = ~torch.isfinite(probs).all(-1, keepdim=True) | (probs.sum(-1, keepdim=True) <= 0)
+    if bool(bad.any()):  # a row of NaN logits (a numerical failure upstream): its argmax, never an invalid tensor
+        greedy = torch.nn.functional.one_hot(argmax(torch.nan_to_num(logits, nan=float("-inf"))), logits.shape[-1])
+        probs = torch.where(bad, greedy.float(), probs)
+    return probs
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -6,8 +6,13 @@ Supported: /v1/completions (prompt: a string, a list of token ids, or a list of 
 top_k (an extension), seed, stop, stream, stream_options.include_usage. Refused, because the server would otherwise
 silently ignore them: n > 1, best_of > 1, logprobs, echo, suffix, penalties, logit_bias, tools, non-text formats, and
 any field OpenAI does not define.
+
+Numbers must be finite and in range (NaN, inf, seed outside torch's [-2^63, 2^64), integers too large for any C type
+are a 400 naming the field); chat roles are system, user and assistant; a prompt far longer than the context is
+refused from a prefix's token count (`_tokenize`). Error messages echo at most a short, encodable excerpt of a value.
 """
 
+import math
 from dataclasses import dataclass
 
 from toolkit.engine.sampling import SamplingParams
@@ -23,7 +28,14 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": _printable(self.message, 2000), "type": self.type,
+                          "param": None if self.param is None else _printable(self.param, 200), "code": self.code}}
+
+
+def _printable(text: str, limit: int) -> str:
+    """Encodable (a lone surrogate echoed back would fail the response's UTF-8 encoding) and bounded."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass
@@ -52,24 +64,44 @@ def unsupported(param: str, what: str) -> APIError:
 
 
 def _number(body: dict, key: str, default, kind=float, minimum=None, maximum=None):
+    """body[key] as a finite `kind` within [minimum, maximum]; a wrong type, NaN/inf or out-of-range value is a 400
+    naming `key` (never an OverflowError or a NaN that passes every comparison)."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
-        raise bad(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}", key, "invalid_type")
-    value = kind(value)
+    shown = _short(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"{key} must be {'an integer' if kind is int else 'a number'}, got {shown}", key, "invalid_type")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad(f"{key} must be a finite number, got {shown}", key)
+    if kind is int and isinstance(value, float):
+        if not value.is_integer():
+            raise bad(f"{key} must be an integer, got {shown}", key, "invalid_type")
+        value = int(value)
     if minimum is not None and value < minimum:
-        raise bad(f"{key} must be >= {minimum}, got {value}", key)
+        raise bad(f"{key} must be >= {minimum}, got {shown}", key)
     if maximum is not None and value > maximum:
-        raise bad(f"{key} must be <= {maximum}, got {value}", key)
+        raise bad(f"{key} must be <= {maximum}, got {shown}", key)
+    if kind is float and isinstance(value, int):
+        if abs(value) > 2**53:  # (only reachable without a maximum) beyond exact floats; 10**400 would overflow
+            raise bad(f"{key} is out of range, got {shown}", key)
+        value = float(value)
     return value
+
+
+def _short(value, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: error messages echo what was sent without echoing megabytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value) if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _refuse_unsupported(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise APIError(400, f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0],
-                       code="unsupported_parameter")
+        raise APIError(400, f"unrecognized request argument(s): {', '.join(unknown)[:200]}",
+                       param=unknown[0], code="unsupported_parameter")
     if body.get("n") not in (None, 1):
         raise unsupported("n", "more than one choice per request (n > 1)")
     if body.get("best_of") not in (None, 1):
@@ -113,11 +145,16 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage"))
 
 
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+ROLES = ("system", "user", "assistant")
+
+
 def _sampling(body: dict) -> SamplingParams:
+    """Temperatures in [0, GREEDY_BELOW) decode greedily (toolkit.engine.sampling): no setting overflows."""
     return SamplingParams(temperature=_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
-                          top_k=_number(body, "top_k", 0, int, minimum=0),
+                          top_k=_number(body, "top_k", 0, int, minimum=0, maximum=2**31 - 1),
                           top_p=_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0) or 1e-9,
-                          seed=_number(body, "seed", None, int))
+                          seed=_number(body, "seed", None, int, minimum=SEED_RANGE[0], maximum=SEED_RANGE[1]))
 
 
 def _max_tokens(body: dict, key: str, prompt_len: int, default: int | None, limit: int, max_seq_len: int,
@@ -140,6 +177,29 @@ def _max_tokens(body: dict, key: str, prompt_len: int, default: int | None, limi
     return value
 
 
+PREFIX_CHARS_PER_TOKEN = 64  # a long text is first tokenized only this many characters per context token
+
+
+def _tokenize(tokenizer, text: str, param: str, max_seq_len: int, **kwargs) -> list[int]:
+    """Token ids of `text`; a 400 when the tokenizer refuses it. A text too long for the context is refused as soon
+    as that is known: one of more than PREFIX_CHARS_PER_TOKEN * max_seq_len characters is first tokenized only that
+    far, and refused if that prefix alone has more than twice the context (with that margin, what the cut changes
+    at its end cannot matter), instead of tokenizing megabytes to count them."""
+    try:
+        cut = PREFIX_CHARS_PER_TOKEN * max_seq_len
+        if len(text) > cut:
+            counted = len(tokenizer(text[:cut], **kwargs).input_ids)
+            if counted > 2 * max_seq_len + 16:
+                raise APIError(400, f"the prompt has more than {counted} tokens; this server's context is "
+                               f"{max_seq_len} tokens (prompt + max_tokens)", param=param,
+                               code="context_length_exceeded")
+        return tokenizer(text, **kwargs).input_ids
+    except APIError:
+        raise
+    except Exception as exc:  # text the tokenizer cannot take (a 400 for this request, not a 500)
+        raise bad(f"{param} could not be tokenized: {_short(str(exc), 200)}", param)
+
+
 def parse_completion(body: dict, tokenizer, max_tokens_limit: int, max_seq_len: int) -> ParsedRequest:
     _refuse_unsupported(body, _COMPLETION)
     prompt = body.get("prompt")
@@ -148,7 +208,7 @@ def parse_completion(body: dict, tokenizer, max_tokens_limit: int, max_seq_len: 
     if isinstance(prompt, str):
         if not prompt:
             raise bad("prompt is empty", "prompt")
-        ids = tokenizer(prompt).input_ids
+        ids = _tokenize(tokenizer, prompt, "prompt", max_seq_len)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = len(tokenizer)
         if not all(0 <= t < vocab for t in prompt):
@@ -174,6 +234,9 @@ def parse_chat(body: dict, tokenizer, max_tokens_limit: int, max_seq_len: int) -
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a role", f"messages[{i}]", "invalid_type")
+        if message["role"] not in ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {_short(message['role'])}",
+                      f"messages[{i}].role")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -190,7 +253,7 @@ def parse_chat(body: dict, tokenizer, max_tokens_limit: int, max_seq_len: int) -
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # the template's own checks (role order, unknown roles) raise template errors
         raise bad(f"the chat template refused these messages: {exc}", "messages")
-    ids = tokenizer(text, add_special_tokens=False).input_ids
+    ids = _tokenize(tokenizer, text, "messages", max_seq_len, add_special_tokens=False)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     stream, include_usage = _stream(body)
     return ParsedRequest(ids, _max_tokens(body, key, len(ids), None, max_tokens_limit, max_seq_len, "messages"),

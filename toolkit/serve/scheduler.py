@@ -30,6 +30,15 @@ turn drafts up to k tokens per row by prompt lookup and verifies every row in ON
 tokens per row; each row keeps its own accepted prefix plus the target's next token, and is cropped back to what it
 kept (the rejected tail's blocks go back to the pool). A turn where nobody drafted anything, or whose verify pass
 does not fit in the pool, is a plain decode step instead: speculation never preempts anyone.
+
+Fault isolation: one request's failure ends that request only. Sampling, verifying and streaming run row by row, each
+guarded: a row that raises is finished with an error event (its blocks freed) and the other rows keep their tokens.
+A batched model call that raises is rolled back (nothing was committed) and rerun row by row from each row's KV
+state, so only the rows that fail alone are failed. Only a failure outside any request's work (a bug in the loop
+itself) fails the whole batch.
+
+Draining (graceful shutdown): `abort_all` ends every running and waiting sequence at the next turn with
+finish_reason "abort" (a normal final event carrying what was generated so far).
 """
 
 import logging
@@ -97,6 +106,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self._cond = threading.Condition()
         self._stop = False
+        self._abort = False  # abort_all() asked: end every sequence at the next turn
         self._thread = threading.Thread(target=self._loop, name="specquant-scheduler", daemon=True)
         self._step_s = 0.05  # recent decode step time, for Retry-After
         self.peak_batch = 0  # the most rows one decode step has run (tests check batching really happened)
@@ -135,6 +145,13 @@ class Scheduler:
             self.metrics.queue.set(len(self.waiting))
             self._cond.notify()
 
+    def abort_all(self) -> None:
+        """End every running and waiting sequence at the next turn with finish_reason "abort" (draining)."""
+        with self._cond:
+            if self.running or self.waiting:
+                self._abort = True
+            self._cond.notify()
+
     def wake(self) -> None:
         """A sequence was cancelled: let an idle loop notice."""
         with self._cond:
@@ -160,17 +177,25 @@ class Scheduler:
                     break
             try:
                 self._turn()
-            except Exception as exc:  # a bug or a numerical failure: fail the live requests, keep serving
+            except Exception as exc:  # a bug in the loop itself (request work is isolated): fail the batch, go on
                 log.exception("scheduler step failed")
                 for seq in list(self.running):
-                    self._finish(seq, "error", error=f"internal error: {exc}")
+                    self._fail(seq, f"internal error: {exc}")
                 self._publish()
         for seq in list(self.running) + list(self.waiting):
             seq.emit({"type": "error", "message": "the server is shutting down"})
 
     def _turn(self) -> None:
+        with self._cond:
+            abort, self._abort = self._abort, False
+            aborted = list(self.waiting) if abort else []
+            if abort:
+                self.waiting.clear()
+        if abort:
+            for seq in list(self.running) + aborted:
+                self._guarded(seq, lambda seq=seq: self._finish(seq, "abort"))
         for seq in [s for s in self.running if s.cancelled.is_set()]:
-            self._finish(seq, "cancelled")
+            self._guarded(seq, lambda seq=seq: self._finish(seq, "cancelled"))
         self._admit()
         if self.running:
             self._decode()
@@ -213,11 +238,7 @@ class Scheduler:
 
     def _fail_prefill(self, seq: Sequence, message: str) -> None:
         log.exception("prefill failed")
-        if seq in self.running:
-            self._finish(seq, "error", error=message)
-        else:
-            self.metrics.finished.labels("error").inc()
-            seq.emit({"type": "error", "message": message})
+        self._fail(seq, message)
 
     def _staging_allows(self, prefill_tokens: int) -> bool:
         """Whether a quantized pool has the staging slots a prefill of `prefill_tokens` takes, plus one per running
@@ -241,9 +262,12 @@ class Scheduler:
             for start in range(0, len(rest), chunk):
                 logits = self._forward([seq], [rest[start:start + chunk]])
         self.metrics.prompt_tokens.inc(len(rest))
+        self._ensure_detok(seq)
+        self._accept(seq, self._sample(seq, logits[0]))
+
+    def _ensure_detok(self, seq: Sequence) -> None:
         if seq.detok is None:  # a preempted sequence keeps its detokenizer: what was streamed is not sent again
             seq.detok = Detokenizer(self.tokenizer, seq.stop_strings)
-        self._accept(seq, self._sample(seq, logits[0]))
 
     @torch.inference_mode()
     def _decode(self) -> None:
@@ -263,8 +287,50 @@ class Scheduler:
                 if len(self.running) == 1:  # cannot happen for a request fits() accepted
                     raise
                 self._preempt(self.running[-1])
+            except Exception:  # the batched call failed: find the row(s) that fail alone, the others go on
+                log.exception("batched decode step failed; rerunning its rows one by one")
+                self._decode_rows_alone()
+                return
         for seq, row_logits in zip(list(self.running), logits):
-            self._accept(seq, self._sample(seq, row_logits))
+            self._guarded(seq, lambda seq=seq, row_logits=row_logits: self._accept(seq, self._sample(seq, row_logits)))
+
+    def _decode_rows_alone(self) -> None:
+        """After a failed batched call: roll every row back to its committed tokens (the call committed nothing; the
+        blocks it took for the new tokens go back) and decode each row in its own call, failing only those that
+        fail alone."""
+        for seq in self.running:
+            self.cache.crop_sequence(seq.kv, seq.kv.length)
+        for seq in list(self.running):
+            def one(seq=seq):
+                logits = self._forward([seq], [[seq.generated[-1]]])
+                self._accept(seq, self._sample(seq, logits[0]))
+            self._guarded(seq, one)
+
+    def _guarded(self, seq: Sequence, work) -> None:
+        """Run one request's share of a turn; if it raises, that request (only) ends with an error event."""
+        try:
+            work()
+        except Exception as exc:
+            log.exception("request %s failed", seq.id)
+            self._fail(seq, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """End `seq` with an error event whatever state its failure left it in; never raises."""
+        try:
+            if seq.kv is not None:
+                kv, seq.kv = seq.kv, None
+                self.cache.free(kv)
+        except Exception:
+            log.exception("freeing the blocks of request %s failed", seq.id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.finish_reason is None:  # (one that failed while finishing is counted already)
+            self.metrics.finished.labels("error").inc()
+        seq.finish_reason = "error"
+        try:
+            seq.emit({"type": "error", "message": message})
+        except Exception:
+            log.exception("request %s: its error event could not be sent", seq.id)
 
     def _speculate(self) -> bool:
         """One draft-and-verify round for the whole running batch; False (nothing done) when no row drafted a token
@@ -280,30 +346,44 @@ class Scheduler:
             logits = self._forward(seqs, rows, keep=width + 1)
         except OutOfBlocks:  # the failed bind gave back what it took (PagedKVCache.bind)
             return False
+        except Exception:  # roll back what the call took (it committed nothing): a plain, row-isolated step instead
+            log.exception("verify pass failed; running a plain decode step")
+            for seq in seqs:
+                self.cache.crop_sequence(seq.kv, seq.kv.length)
+            return False
         self.spec_rounds += 1
         for seq, drafted, row_logits, length in zip(seqs, drafts, logits, lengths):
-            if drafted:
-                verdict = verify_row(row_logits, drafted, seq.sampling, seq.generator)
-                tokens = verdict.tokens
-                seq.spec_proposed += verdict.proposed
-                seq.spec_accepted += verdict.accepted
-                self.spec_proposed += verdict.proposed
-                self.spec_accepted += verdict.accepted
-                seq.spec_k = self.spec.length.next(seq.spec_k or self.spec.length.k, verdict.accepted == len(drafted))
-            else:  # exactly a decode step for this row
-                tokens = [self._sample(seq, row_logits[0])]
-            # keep its last token and the accepted draft; the rejected tail and the padding are dropped
-            self.cache.crop_sequence(seq.kv, length + len(tokens))
-            for token in tokens:
-                self._accept(seq, token)
-                if seq.done:  # a stop token/string or max_tokens mid-run: nothing after it is emitted
-                    break
+            self._guarded(seq, lambda seq=seq, drafted=drafted, row_logits=row_logits, length=length:
+                          self._keep_verified(seq, drafted, row_logits, length))
         return True
+
+    def _keep_verified(self, seq: Sequence, drafted: list[int], row_logits: torch.Tensor, length: int) -> None:
+        """One row of a verify pass: its kept draft prefix and the target's next token, the rest cropped away."""
+        if drafted:
+            verdict = verify_row(row_logits, drafted, seq.sampling, seq.generator)
+            tokens = verdict.tokens
+            seq.spec_proposed += verdict.proposed
+            seq.spec_accepted += verdict.accepted
+            self.spec_proposed += verdict.proposed
+            self.spec_accepted += verdict.accepted
+            seq.spec_k = self.spec.length.next(seq.spec_k or self.spec.length.k, verdict.accepted == len(drafted))
+        else:  # exactly a decode step for this row
+            tokens = [self._sample(seq, row_logits[0])]
+        # keep its last token and the accepted draft; the rejected tail and the padding are dropped
+        self.cache.crop_sequence(seq.kv, length + len(tokens))
+        for token in tokens:
+            self._accept(seq, token)
+            if seq.done:  # a stop token/string or max_tokens mid-run: nothing after it is emitted
+                break
 
     def _draft(self, seq: Sequence) -> list[int]:
         # never past max_tokens: a round emits the accepted drafts plus one token of the target's own
         k = min(seq.spec_k or self.spec.length.k, seq.max_tokens - len(seq.generated) - 1)
-        return self.spec.draft.lookup(seq.context_ids, k) if k > 0 else []
+        try:
+            return self.spec.draft.lookup(seq.context_ids, k) if k > 0 else []
+        except Exception:  # a draft is only a guess: this row decodes plainly this turn
+            log.exception("drafting for request %s failed", seq.id)
+            return []
 
     def _forward(self, seqs: list[Sequence], new_tokens: list[list[int]], keep: int = 1) -> torch.Tensor:
         """One model call adding `new_tokens` to `seqs` (toolkit.engine.generate.paged_forward)."""
@@ -353,7 +433,8 @@ class Scheduler:
         if seq.kv is not None:  # blocks first: once /health shows the batch empty, the pool is too
             self.cache.free(seq.kv)
             seq.kv = None
-        self.running.remove(seq)
+        if seq in self.running:  # (a waiting sequence ended by abort_all never ran)
+            self.running.remove(seq)
         seq.finish_reason = reason
         self.metrics.finished.labels(reason).inc()
         if reason in ("cancelled",):
@@ -361,10 +442,13 @@ class Scheduler:
         if error is not None:
             seq.emit({"type": "error", "message": error})
             return
-        rest = seq.detok.push(seq.generated, final=True)
-        if rest:
-            seq.emit({"type": "token", "text": rest})
-        seq.emit({"type": "done", "text": seq.detok.text, "finish_reason": reason, "usage": seq.usage(),
+        text = ""
+        if seq.detok is not None:
+            rest = seq.detok.push(seq.generated, final=True)
+            if rest:
+                seq.emit({"type": "token", "text": rest})
+            text = seq.detok.text
+        seq.emit({"type": "done", "text": text, "finish_reason": reason, "usage": seq.usage(),
                   "timings": seq.timings(), "token_ids": list(seq.generated)})
 
     def _publish(self) -> None:

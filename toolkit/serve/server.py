@@ -1,6 +1,12 @@
 """Assemble a server from a loaded model and run it with uvicorn: in the foreground (the CLI) or on a background
-thread (tests and the load benchmark, which talk to it over loopback)."""
+thread (tests and the load benchmark, which talk to it over loopback).
 
+Graceful shutdown (`drain`, run on the first SIGTERM/SIGINT in the foreground): new requests get 503, running ones
+may finish for up to drain_timeout_s, then whatever is left ends with finish_reason "abort" (a stream gets its final
+chunk and `data: [DONE]`), and only then does uvicorn stop. A second signal stops at once."""
+
+import logging
+import signal
 import socket
 import threading
 import time
@@ -16,6 +22,8 @@ from toolkit.serve.app import ServerState, create_app
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.scheduler import Limits, Scheduler
 from toolkit.serve.speculation import serve_spec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,8 @@ class ServeSettings:
     kv: object = None  # the kv config group (node or kind name; None = fp): int8/int4/int2 quantize the blocks
     spec: object = None  # the spec config group (node or kind name; None = none): lookup is served
     spec_max_batch: int = 4  # speculate only while the running batch has at most this many rows
+    max_body_mb: float = 4.0  # request bodies over this many MiB: 413
+    drain_timeout_s: float = 30.0  # graceful shutdown: how long running requests may finish before they are aborted
 
 
 def build_state(loaded, settings: ServeSettings) -> ServerState:
@@ -53,6 +63,10 @@ def build_state(loaded, settings: ServeSettings) -> ServerState:
             raise InputError(f"kv_budget_mb={settings.kv_budget_mb} holds no KV block: one block of "
                              f"{settings.block_size} tokens takes {per_block / 2**20:.3g} MiB for this model",
                              "raise kv_budget_mb, or set it to null to size the pool by max_kv_tokens")
+    if not settings.max_body_mb > 0:
+        raise InputError(f"max_body_mb must be > 0, got {settings.max_body_mb}", "set max_body_mb=4")
+    if not settings.drain_timeout_s >= 0:
+        raise InputError(f"drain_timeout_s must be >= 0, got {settings.drain_timeout_s}", "set drain_timeout_s=30")
     if max_seq_len > context:
         raise InputError(f"max_seq_len={max_seq_len} exceeds the model's context of {context} tokens",
                          f"use max_seq_len<={context} or null")
@@ -61,7 +75,49 @@ def build_state(loaded, settings: ServeSettings) -> ServerState:
     metrics = ServerMetrics()
     scheduler = Scheduler(model, loaded.tokenizer, stop_token_ids(model, loaded.tokenizer), limits, metrics, spec)
     return ServerState(scheduler, loaded.tokenizer, settings.model_id or str(loaded.name), settings.max_tokens,
-                       settings.api_key, metrics, int(time.time()))
+                       settings.api_key, metrics, int(time.time()), max_body_bytes=int(settings.max_body_mb * 2**20),
+                       drain_timeout_s=float(settings.drain_timeout_s))
+
+
+def drain(state: ServerState, timeout_s: float | None = None, poll_s: float = 0.02, settle_s: float = 10.0) -> int:
+    """Graceful shutdown's first half: refuse new requests (503), let the running and queued ones finish for up to
+    `timeout_s` (default state.drain_timeout_s), then end the rest with finish_reason "abort"; returns how many were
+    aborted. Every wait is bounded. Call it on any thread but the scheduler's (the CLI: on a signal)."""
+    state.draining = True
+    scheduler = state.scheduler
+    deadline = time.monotonic() + (state.drain_timeout_s if timeout_s is None else timeout_s)
+    while not scheduler.idle and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    left = len(scheduler.running) + len(scheduler.waiting)
+    if left:
+        log.warning("drain timeout: aborting %d request(s)", left)
+        scheduler.abort_all()
+        deadline = time.monotonic() + settle_s
+        while not scheduler.idle and time.monotonic() < deadline:
+            time.sleep(poll_s)
+    return left
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains (`drain`) on the first SIGTERM/SIGINT before it stops; a second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state, self.drainer = state, None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drainer is not None or sig not in (signal.SIGTERM, signal.SIGINT):
+            return super().handle_exit(sig, frame)
+        self._captured_signals.append(sig)  # (uvicorn re-raises it once stopped, as for its own handling)
+
+        def run():
+            try:
+                drain(self.state)
+            finally:
+                self.should_exit = True
+
+        self.drainer = threading.Thread(target=run, name="specquant-drain", daemon=True)
+        self.drainer.start()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -78,7 +134,8 @@ class BackgroundServer:
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(create_app(state), host=self.host, port=self.port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = DrainingServer(config, state)  # (signals are only caught on the main thread; tests call
+        # self.server.handle_exit to drain as a signal would)
         self.thread = threading.Thread(target=self.server.run, name="specquant-uvicorn", daemon=True)
 
     @property
@@ -104,7 +161,11 @@ class BackgroundServer:
 def serve_forever(state: ServerState, host: str, port: int) -> None:
     state.scheduler.start()
     try:
-        uvicorn.run(create_app(state), host=host, port=port, log_level="info", lifespan="off",
-                    timeout_graceful_shutdown=5)
+        config = uvicorn.Config(create_app(state), host=host, port=port, log_level="info", lifespan="off",
+                                timeout_graceful_shutdown=5)
+        server = DrainingServer(config, state)
+        server.run()
+        if not server.started:  # as uvicorn.run does: the port was taken, say
+            raise SystemExit(3)
     finally:
         state.scheduler.stop()
