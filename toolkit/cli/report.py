@@ -1,11 +1,13 @@
 """specquant report: the results store -> Markdown table (BENCHMARKS.md), Pareto PNG and a self-contained HTML
-page, each written atomically."""
+page, each written atomically; and the README's headline table, when `out=` is a BENCHMARKS.md whose folder's
+README.md (or `readme=`, where the config has that key) holds the headline markers."""
 
 import os
 from pathlib import Path
 
 from rich.console import Console
 
+from toolkit.report.headline import render_headline, update_readme
 from toolkit.report.html import render_html
 from toolkit.report.markdown import render_markdown
 from toolkit.report.pareto import plot_pareto, plottable
@@ -36,6 +38,12 @@ def run(cfg) -> dict:
     written = {}
     if cfg.out:
         written["markdown"] = _write_text(cfg.out, markdown)
+        # the README's headline rows come from the same store as BENCHMARKS.md, so they cannot drift from it; only a
+        # BENCHMARKS.md (or an explicit readme=) updates them, so a report written elsewhere leaves the README alone
+        out = Path(cfg.out).expanduser()
+        readme = cfg.get("readme") or (out.parent / "README.md" if out.name == "BENCHMARKS.md" else None)
+        if readme and update_readme(Path(readme).expanduser(), render_headline(rows, cfg.data)):
+            written["readme headline"] = Path(readme)
     else:
         print(markdown)
     png = plot_pareto(rows, cfg.png) if cfg.png else None
