@@ -1,5 +1,5 @@
 """Interop with the GPTQ/AWQ ecosystem (optional `interop` extra: gptqmodel 7.6.0 + optimum 2.3.0, in its own
-venv because gptqmodel pins numpy 2.2.6; see the README). Skipped, with the reason, when gptqmodel is missing.
+venv because gptqmodel pins numpy 2.2.6; see docs/formats.md). Skipped, with the reason, when gptqmodel is missing.
 
 (a) transformers loads our GPTQ export, (b) our AWQ export, and its logits match ours; (c) a checkpoint that
 gptqmodel itself quantized (on this CPU, desc_act and asymmetric) loads in specquant with matching logits.
@@ -21,7 +21,7 @@ import torch
 pytestmark = pytest.mark.interop
 
 gptqmodel = pytest.importorskip("gptqmodel", reason="interop extra not installed: gptqmodel 7.6.0 + optimum 2.3.0 "
-                                "(see README, 'GPTQ/AWQ interop venv')")
+                                "(see docs/formats.md, 'GPTQ/AWQ interop venv')")
 pytest.importorskip("optimum", reason="interop extra not installed: optimum 2.3.0")
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 

@@ -62,7 +62,7 @@ def test_tuned_scales_lower_the_kl_to_the_float_model_and_only_the_scales_change
     unseen = calibration_batches(tiny_tokenizer, "pydoc", 16, 64, seed=1)  # windows it was not tuned on
     assert _kl(tuned_model, float_model, seen) < 0.9 * _kl(plain_model, float_model, seen)
     # a random tiny model's text carries little structure to generalize from, so only "better" here (SmolLM2's
-    # held-out evaluation windows are the real measure: README)
+    # held-out evaluation windows are the real measure: docs/notes/2026-12-quantization-methods-what-was-tried.md)
     assert _kl(tuned_model, float_model, unseen) < _kl(plain_model, float_model, unseen)
     report = tuned.tuning
     assert report["steps"] == 3 * 16 and report["kl_after"] < 0.9 * report["kl_before"]

@@ -129,7 +129,7 @@ def test_greedy_identity_holds_when_a_flush_falls_inside_a_verify_pass(tiny_llam
                                                                        forward):
     """A quantized cache reads a token back quantized from the step after it leaves the full-precision window. With
     a window of 8 and groups of 8-16 a flush falls inside most verify passes: each row must still read the cache as
-    one-token decoding would at its position (README, "Speculative decoding on a quantized cache"): the lean
+    one-token decoding would at its position (docs/speculative.md, "Speculative decoding on a quantized cache"): the lean
     forward updates and attends piece by piece inside each layer, other forwards run the pieces as passes."""
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer

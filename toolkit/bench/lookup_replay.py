@@ -147,7 +147,7 @@ def main(argv=None) -> None:
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--native-dot", default="fp32", choices=["fp32", "bf16"],
-                        help="engine.native_dot for the model (README, \"bf16 products on the native stack\")")
+                        help="engine.native_dot for the model (docs/notes/2026-12-runtime-kernels-native-decoder.md, \"bf16 products on the native stack\")")
     args = parser.parse_args(argv)
     print_result(run(args.model, args.prompts.split(","), args.n_prompts, args.new_tokens, args.native_dot))
 

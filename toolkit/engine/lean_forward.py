@@ -589,7 +589,7 @@ class LeanForward:
         embedding's row cast as the embedding's output is, the rotary table's rows, the stack, the head -- without
         the tensors and operators that a call builds around it: a drafted token's step runs them just after the
         stack has streamed the weights through the caches, so each costs tens of microseconds there (~0.5 ms a
-        SmolLM2 draft step, README "The draft step's own costs")."""
+        SmolLM2 draft step, docs/notes/2026-12-runtime-kernels-native-decoder.md "The draft step's own costs")."""
         native = self.native_decoder()
         weight = self._plain_embedding()
         rotary = self.model.model.rotary_emb

@@ -49,7 +49,7 @@ class KVQuantConfig:
     def from_node(cls, node) -> "KVQuantConfig":
         get = node.get if hasattr(node, "get") else (lambda k, d=None: d)
         bits = int(get("bits", 4))
-        low = bits == 2  # at 4 levels the key rotation and the value tails cost most (README: the ablation)
+        low = bits == 2  # at 4 levels the key rotation and the value tails cost most (docs/kv-cache.md: the ablation rows)
         return cls(bits=bits, group_size=int(get("group_size", 32)), residual=int(get("residual", 128)),
                    hierarchical=bool(get("hierarchical", False)), crop_shadow=bool(get("crop_shadow", True)),
                    rollback=int(get("rollback", 1)), dequant=str(get("dequant", "full")), sink=int(get("sink", 1)),

@@ -4,7 +4,7 @@ read, so each channel's group holds one feature's values instead of a feature sp
 Attention hands the cache keys after RoPE, where channel pairs (i, i + d/2) rotate by position * inv_freq[i]. For the
 fast pairs a channel swings across its whole range within a few tokens, so a per-channel scale over 128 tokens sees
 that swing instead of the feature's own spread; at 2 bits that costs more than anything else (SmolLM2, g128 r32: see
-README, "Quantized KV cache").
+docs/kv-cache.md).
 
 Exactness never depends on matching the model's rotation: un-rotating token i by angle i * f and rotating back by the
 same angle is the identity up to rounding, whatever f and whatever the token's true position (left padding shifts a

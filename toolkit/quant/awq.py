@@ -19,7 +19,7 @@ One block at a time, on the float inputs each Linear saw (`InputCollector`):
    measured is the MLP's for gate/up (it is nonlinear in them; AutoAWQ does the same; ``mlp_dtype="bf16"``
    runs those candidates in bf16) and the Linears' own outputs otherwise, measured through the inputs' Gram
    matrix: the same loss. (AutoAWQ runs the whole attention for q,k,v; measured, that was better on Gemma's plain
-   recipe, mixed on SmolLM2 and on Gemma's best search, at twice the search time: README "Gemma's AWQ at w4g128".)
+   recipe, mixed on SmolLM2 and on Gemma's best search, at twice the search time: docs/notes/2026-12-gemma-awq-what-was-tried.md.)
    ``duo_scaling`` uses AutoAWQ's later ``s = mean|x|^a / mean|w|^(1-a)``.
 2. **Fold**: the Linears' input columns are multiplied by ``s``; the producer's output is divided by ``s``:
    an RMSNorm weight ``w -> w / s``, or for Gemma's ``(1 + w)`` norm ``w -> (1 + w) / s - 1`` (the norm kind is
@@ -32,7 +32,7 @@ One block at a time, on the float inputs each Linear saw (`InputCollector`):
    (``rounding=`` a `GPTQLayerQuantizer`, recipe ``awq_rounding: gptq``): GPTQ's column-by-column error feedback
    on the scaled weight, under the Hessian of the inputs the Linear now reads, ``x / s``. That Hessian needs no
    second pass over the data: ``H' = H / (s sᵀ)`` from the Hessian of the collected float inputs ``x``. AWQ chooses
-   the scales, GPTQ the codes (llm-compressor's AWQ-then-GPTQ recipe; README "AWQ scales with GPTQ rounding").
+   the scales, GPTQ the codes (llm-compressor's AWQ-then-GPTQ recipe; docs/notes/2026-12-quantization-methods-what-was-tried.md "AWQ scales with GPTQ rounding").
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class AWQOptions:
     # 1: every alpha of the grid (AutoAWQ). s > 1: every s-th alpha first, then the grid alphas within s - 1 of the
     # best of those (11-12 of 20 losses at s = 2). A loss curve over alpha need not have a single minimum (40 of
     # SmolLM2's 90 do not), but its minimum is broad: at s = 2 the search picked the full grid's alpha in 89 of 90
-    # groups (the other: +0.4% loss), README "AWQ's coarse-to-fine alpha search"
+    # groups (the other: +0.4% loss), docs/notes/2026-12-quantization-quality-and-time.md "AWQ's coarse-to-fine alpha search"
     coarse_step: int = 1
     duo_scaling: bool = False  # False: the paper's s = mean|x|^a; True: AutoAWQ's mean|x|^a / mean|w|^(1-a)
     clip: bool = True  # run the clip search after scaling

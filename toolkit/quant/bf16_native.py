@@ -9,7 +9,7 @@ does two multiply-adds per lane and instruction. `engine.native_dot=bf16` puts a
 output head) on this kernel: the arithmetic of a bf16 model (bf16 weights and activations into every product, fp32
 sums, norms, attention and KV cache), for decode steps and verify passes alike, so speculative greedy output stays
 token-identical to the same engine without speculation. It is not the fp16-weight model's arithmetic: logits move by
-bf16 rounding (README, "bf16 products on the native stack"). `python -m toolkit.quant.bf16_native` times it beside
+bf16 rounding (docs/notes/2026-12-runtime-kernels-native-decoder.md, "bf16 products on the native stack"). `python -m toolkit.quant.bf16_native` times it beside
 the fp16 kernel.
 
 Packed layout "b16" (made by `pack`): output channels in blocks of 16, blocks in tiles of 4 (the last tile may hold
@@ -24,7 +24,7 @@ AMX: where the CPU has AMX-BF16 (Intel Sapphire Rapids and later) and Linux gran
 run on the tile unit (`use_amx`, on by default; `SPECQUANT_NO_AMX=1` keeps vdpbf16ps). The b16 pack is already the
 tile unit's weight operand, so nothing is repacked. One tile product multiplies up to 16 rows at the cost of about
 one, so a speculative verify pass of up to 16 rows costs about a decode step, where vdpbf16ps pays per row (the
-README's "AMX" section has the timings). The tile unit's sums may differ from vdpbf16ps's in the last bits (it
+"AMX" section of docs/notes/2026-12-runtime-kernels-native-decoder.md has the timings). The tile unit's sums may differ from vdpbf16ps's in the last bits (it
 rounds a pair's products its own way, measured here more accurately, and the bias is added after the sums rather
 than before): a library that turns it on runs every product there, whatever the rows, so rows stay independent and
 decode steps and verify passes agree.

@@ -141,7 +141,7 @@ def _bounded_shift(w: torch.Tensor, h: torch.Tensor, delta_xxt: torch.Tensor, de
     least-squares problem on the calibration inputs; where their H is nearly singular in some direction (an
     attention output with near-constant channels), the solve amplifies Δ there and the step can dwarf W itself
     (SmolLM2 block 7's o_proj: 3.3x W's norm, that layer's relative error 2.7; normal steps are 0.001-0.07 of
-    W; README "AWQ scales, then GPTAQ"). A step over the bound is solved again with H's damping raised x10 (a
+    W; docs/notes/2026-12-quantization-methods-what-was-tried.md "AWQ scales, then GPTAQ"). A step over the bound is solved again with H's damping raised x10 (a
     stronger ridge: it keeps the well-determined part of the step and drops the noise), up to `_DAMP_RETRIES`
     times; a step still over it is dropped (that layer gets plain GPTQ). Each is warned about."""
     norm_w = float(w.norm())
@@ -187,7 +187,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     inputs ``x`` it really gets (through the quantized layers before it), not to ``W x``. Since
     ``|W X̃ - Q X|² = |W X̃ - W* X|² + |(W* - Q) X|²`` for the least-squares ``W* = W + W Δ H⁻¹``, that is GPTQ
     run on ``W*`` with the same H; ``asym_alpha`` scales the step (0.25 by default, the paper's; the recipes use
-    0.5: the full step scored worse on SmolLM2, README "GPTAQ"). H is damped for the step as for GPTQ's solve;
+    0.5: the full step scored worse on SmolLM2, docs/notes/2026-12-quantization-methods-what-was-tried.md "GPTAQ"). H is damped for the step as for GPTQ's solve;
     ``asym_max_step`` bounds the step's norm relative to W's (`_bounded_shift`: over it, solved again with more
     damping, else dropped).
     Input channels with ``H[i, i] == 0`` never fire: their weights become 0.

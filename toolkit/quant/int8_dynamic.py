@@ -8,7 +8,7 @@
   ships take one activation scale per tensor, so the rows are normalised before quantizing and the output rows
   multiplied back by ``a``. One scale for the whole tensor is unusable on LLM activations: SmolLM2's ``down_proj``
   inputs have rows 50-800x their RMS (massive activations on a few tokens), and per-tensor scales took perplexity
-  from 17.0 to 48.7 (KL 1.09, see the README section).
+  from 17.0 to 48.7 (KL 1.09, see docs/notes/2026-12-runtime-kernels-native-decoder.md, "int8 prefill").
 * **7-bit activations**, codes ``-63..63`` stored as ``uint8`` 1..127 with zero point 64. x86 without VNNI (AVX2,
   this machine) multiplies u8 x s8 with ``vpmaddubsw``, which adds two products into a *saturating* int16: full
   8-bit activations (0..255) against int8 weight codes up to 127 overflow it (2 * 255 * 127 > 32767) and the

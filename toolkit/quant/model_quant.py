@@ -64,7 +64,7 @@ class QuantRecipe:
     gptaq_alpha: float = 0.0
     # GPTAQ: the step's Frobenius norm at most this times the weight's; a larger one is solved again with H's damping
     # raised x10 (up to 4 times), else dropped for that layer (plain GPTQ), with a warning. Normal steps are
-    # 0.001-0.07 of the weight; an ill-conditioned H made one 3.3x (README "AWQ scales, then GPTAQ")
+    # 0.001-0.07 of the weight; an ill-conditioned H made one 3.3x (docs/notes/2026-12-quantization-methods-what-was-tried.md "AWQ scales, then GPTAQ")
     gptaq_max_step: float = 0.25
     # GPTQ: quantize a block's q,k,v | o | gate,up | down in turn, each on inputs through the quantized earlier ones
     true_sequential: bool = True

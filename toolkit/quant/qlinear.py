@@ -44,7 +44,7 @@ forward(x [..., in]) with ``rows = x.numel() // in``:
   activations quantized per row to 7 bits on each call, the 16 largest input channels kept in fp32, oneDNN's
   u8 x s8 GEMM on a per-call reordered copy of the same int8 codes (no second copy held). Not exact: ~1-2% relative
   error per product on Gaussian inputs, ~3-6% on SmolLM2's real activations (end to end: KL 0.021 against fp32,
-  0.003 for the exact path; see the README). `exact_prefill()` (or ``QuantLinear.int8_activations = False``)
+  0.003 for the exact path; see docs/notes/2026-12-runtime-kernels-native-decoder.md, "int8 prefill"). `exact_prefill()` (or ``QuantLinear.int8_activations = False``)
   switches it off; autograd inputs, inputs holding inf/nan and torch builds without oneDNN take the exact path.
 * otherwise: dequantize the weight to fp32 (x's dtype where the CPU multiplies it natively) and ``F.linear``.
   The dequantized values are ``(q - zero) * scale`` computed in fp32, exactly `QuantizedWeight.dequantize`'s.

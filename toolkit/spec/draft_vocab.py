@@ -3,7 +3,7 @@
 A draft's output head is the largest single read of its step (SmolLM2-135M's 49152 x 576; Qwen2.5-Coder-0.5B's
 151936 x 896, 136M of its 494M weights), yet text is mostly made of a few thousand tokens: on held-out pydoc and
 stdlib code, the 8192 most frequent tokens of the calibration splits cover ~97% of the tokens and 16384 cover
-~99.5% (README, "Speculative decoding"). A draft whose head scores only those reads a fraction of the head's
+~99.5% (docs/speculative.md). A draft whose head scores only those reads a fraction of the head's
 bytes; where the target's next token lies outside the set, the draft cannot propose it and the round stops
 there. Correctness is untouched: the target verifies every token, greedy output stays the target's, and under
 sampling the draft's distribution q is simply zero outside the set (rejection sampling stays exact for any q).

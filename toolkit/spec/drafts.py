@@ -28,7 +28,7 @@ class LookupDraft:
     `scale_by_match`: propose k * n / ngram_max tokens (rounded, at least 1) after an n-token match instead of k.
     A one-token match is weak evidence that the text repeats, and every proposed token is one more row in the
     target's verify pass, which on a CPU costs a few percent of a step each; proposing few tokens on weak matches
-    and many on strong ones keeps most of the accepted tokens at fewer rows (README, "Speculative decoding").
+    and many on strong ones keeps most of the accepted tokens at fewer rows (docs/speculative.md).
 
     `agree_tokens` > 0 (the config default, 4) also asks the context a second question: does the tail occur once
     more before its latest occurrence, and did the same `agree_tokens` tokens follow it there? If they did, the text
@@ -37,7 +37,7 @@ class LookupDraft:
     gets half of what `scale_by_match` would give it. So k is the most a round proposes, spent only where the
     context vouches for it. The rule reads the context alone (no state across rounds), so the server's continuous
     batches use it as is. Why these numbers: replaying the rule on recorded greedy outputs under the measured cost
-    of a verify pass (README, "Draft length by agreement")."""
+    of a verify pass (docs/notes/2026-12-speculative-measurements.md)."""
 
     deterministic = True
 
@@ -150,7 +150,7 @@ class ModelDraft:
     target's cache full precision and the draft's too, the draft runs in the target's cache itself ("in place"): it
     writes its drafted tokens' keys and values in the slots past the target's length and drops them when its round
     is drafted (the target's verify pass writes its own there), so nothing is copied at all -- the copy cost eight
-    small tensor operations a layer each round (README, "The draft step's own costs")."""
+    small tensor operations a layer each round (docs/notes/2026-12-runtime-kernels-native-decoder.md, "The draft step's own costs")."""
 
     deterministic = False
 

@@ -395,7 +395,7 @@ def _quant_cfg(kv_cfg):
     if cfg.sink or cfg.pre_rope:  # defaults (sink 1; pre_rope at 2 bits), so a log line rather than a refusal
         level = logging.WARNING if cfg.pre_rope else logging.INFO  # at 2 bits the missing pre-RoPE costs quality
         log.log(level, "the paged cache keeps no sink tokens and quantizes keys after RoPE: kv.sink=%d and "
-                "kv.pre_rope=%s apply to the engine's contiguous cache only (README, 'Quantized KV cache')",
+                "kv.pre_rope=%s apply to the engine's contiguous cache only (docs/kv-cache.md)",
                 cfg.sink, cfg.pre_rope)
         cfg = dataclasses.replace(cfg, sink=0, pre_rope=False)
     return cfg
