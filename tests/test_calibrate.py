@@ -335,11 +335,11 @@ def test_bf16_calibration_quantizes_the_fp32_weights_as_well(tiny_llama_dir, bat
 
 
 def test_calibration_dtype_auto_follows_the_hardware(monkeypatch):
-    import toolkit.engine.precision as precision
+    from toolkit import cpu
     from toolkit.quant.calibrate import calibration_dtype
 
     for native, expected in ((True, torch.bfloat16), (False, None)):
-        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(cpu, "native_bf16", lambda native=native: native)
         assert calibration_dtype(QuantRecipe(method="gptq", calib_dtype="auto"), "cpu") is expected
     assert calibration_dtype(QuantRecipe(method="gptq", calib_dtype="bf16"), "cpu") is torch.bfloat16
     assert calibration_dtype(QuantRecipe(method="gptq", calib_dtype="fp32"), "cpu") is None

@@ -20,7 +20,7 @@ from toolkit.diagnose.workload import input_stats
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import cpu_has_native_bf16
 from toolkit.engine.setup import load_engine_model
-from toolkit.engine.timing import GenerationTiming
+from toolkit.timing import GenerationTiming
 
 ENGINE = OmegaConf.create({"device": "cpu", "dtype": "fp32", "weight_dtype": "auto", "threads": 1, "compile": False})
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from toolkit.engine.generate import generate
-from toolkit.engine.kv_cache import ContiguousKVCache
+from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.errors import InputError
 from toolkit.kv import Int4View, KVQuantConfig, QuantizedKVCache, make_kv_cache, quant_config
 from toolkit.kv.memory import model_kv_shape, quantized_kv_bytes

@@ -389,7 +389,7 @@ def test_overflowed_step_is_redone_exactly(tiny_model, monkeypatch):
     preempted sequences all still match generate()."""
     import importlib
 
-    from toolkit.engine.precision import HalfStorageLinear
+    from toolkit.passes import Pass
     from toolkit.serve.scheduler import Limits
 
     model, tokenizer = tiny_model
@@ -398,10 +398,10 @@ def test_overflowed_step_is_redone_exactly(tiny_model, monkeypatch):
     calls = {"inexact": 0}
 
     def garbage_in(module, args, output):
-        return None if HalfStorageLinear.exact else torch.randn_like(output) * 10
+        return None if Pass.exact else torch.randn_like(output) * 10
 
     def nan_out(module, args, output):
-        if HalfStorageLinear.exact:
+        if Pass.exact:
             return None
         calls["inexact"] += 1
         return torch.full_like(output, float("nan"))

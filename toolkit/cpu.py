@@ -126,6 +126,14 @@ def native_bf16() -> bool:
     return has("avx512_bf16") or has("amx_bf16")
 
 
+def native_matmul(dtype, device) -> bool:
+    """Whether a matmul in `dtype` on `device` runs at full speed: fp32 anywhere, any dtype off the CPU, bf16 where
+    the CPU multiplies it natively."""
+    import torch
+
+    return dtype == torch.float32 or device.type != "cpu" or (dtype == torch.bfloat16 and native_bf16())
+
+
 def march(level: str | None = None) -> list[str]:
     """The compiler's target flags for `level` (default: the selected level)."""
     if not is_x86():

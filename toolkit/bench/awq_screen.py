@@ -39,7 +39,7 @@ def load_recipe(name: str) -> tuple[str, dict]:
     """``(model name, quantize keys)`` of a recipe name or file (as `specquant quantize recipe=` resolves it)."""
     from omegaconf import OmegaConf
 
-    from toolkit.cli.app import recipe_path
+    from toolkit.paths import recipe_path
 
     tree = OmegaConf.to_container(OmegaConf.load(recipe_path(name)))
     return tree["model"], dict(tree.get("quantize", {}))

@@ -3,7 +3,7 @@
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from toolkit.engine.timing import GenerationTiming, Stopwatch
+from toolkit.timing import GenerationTiming, Stopwatch
 
 
 class _TimingStreamer(BaseStreamer):

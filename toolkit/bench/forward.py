@@ -66,7 +66,7 @@ def _call_us(f, reps: int = 300) -> float:
 
 @torch.inference_mode()
 def run(model_name: str, rounds: int, steps: int, threads: int | None) -> dict:
-    from toolkit.engine.kv_cache import ContiguousKVCache
+    from toolkit.kv.contiguous import ContiguousKVCache
 
     models = {name: _engine(model_name, name, threads) for name in FORWARDS}
     if models["lean"].specquant_forward != "lean":

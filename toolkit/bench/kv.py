@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from toolkit.engine.kv_cache import ContiguousKVCache
+from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.kv import make_kv_cache, quant_config
 from toolkit.kv.memory import bf16_kv_bytes, quantized_kv_bytes
 

@@ -11,29 +11,11 @@ import torch
 
 from toolkit.bench.baseline import hf_generate_timed
 from toolkit.bench.interleave import interleaved
+from toolkit.engine.costs import kv_bytes_per_token, weight_bytes_per_token  # noqa: F401 (bench's names)
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
-from toolkit.engine.timing import GenerationTiming, RssSampler, percentiles
+from toolkit.timing import GenerationTiming, RssSampler, percentiles
 from toolkit.errors import InputError
-
-
-def weight_bytes_per_token(model) -> int:
-    """Bytes of weights a decode step reads: every parameter and quantized layer once, except the input embedding
-    table, of which a step reads one row (when it is tied to the output head, the head reads it in full, counted
-    once)."""
-    from toolkit.quant.qlinear import weight_bytes
-
-    embedding = model.get_input_embeddings().weight
-    output = model.get_output_embeddings()
-    tied = output is not None and getattr(output, "weight", None) is embedding
-    return weight_bytes(model) - (0 if tied else embedding.numel() * embedding.element_size())
-
-
-def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
-    config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 def decode_floor(model, kv_dtype: torch.dtype, context_tokens: float, bandwidth: float) -> dict:

@@ -82,7 +82,7 @@ def replay(rule: Rule, prompt: list[int], output: list[int], cost) -> tuple[floa
 def measure_costs(model, rows=range(1, MAX_ROWS + 1), context: int = 128, passes: int = 9) -> dict[int, float]:
     """Median time of a pass feeding r new tokens onto a `context`-token cache, relative to r = 1 (interleaved over
     r, so every width sees the same machine noise)."""
-    from toolkit.engine.kv_cache import ContiguousKVCache
+    from toolkit.kv.contiguous import ContiguousKVCache
 
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)

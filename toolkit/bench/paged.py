@@ -47,7 +47,7 @@ import torch
 
 from toolkit.engine.generate import (decode_step, generate, left_pad, paged_forward, positions_from_mask, prefill,
                                      stop_token_ids)
-from toolkit.engine.kv_cache import ContiguousKVCache
+from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.errors import InputError
 from toolkit.kv.paged import OutOfBlocks, PagedKVCache
 

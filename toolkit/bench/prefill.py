@@ -28,7 +28,7 @@ def _engine(model: str, prefill: str, dtype: str = "auto"):
 
 def _prefill(model, ids: list[int]) -> tuple[float, torch.Tensor]:
     from toolkit.engine.generate import prefill
-    from toolkit.engine.kv_cache import ContiguousKVCache
+    from toolkit.kv.contiguous import ContiguousKVCache
 
     cache = ContiguousKVCache.for_model(model, len(ids) + 1)
     start = time.perf_counter()

@@ -30,7 +30,7 @@ def _load(model: str, dot: str):
 
 
 def run(model: str, rows: list[int], rounds: int, passes: int, context: int) -> dict:
-    from toolkit.engine.kv_cache import ContiguousKVCache
+    from toolkit.kv.contiguous import ContiguousKVCache
     from toolkit.machine import measure_memory_bandwidth
     from toolkit.quant import bf16_native
 

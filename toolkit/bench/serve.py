@@ -40,7 +40,7 @@ import time
 import httpx
 import psutil
 
-from toolkit.engine.timing import percentiles
+from toolkit.timing import percentiles
 
 PROMPT_LENGTHS = (128, 256, 384, 512)
 

@@ -5,9 +5,9 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import SpecquantError
+from toolkit.paths import RECIPES_DIR, recipe_path  # noqa: F401 (RECIPES_DIR: the CLI's name for it)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # toolkit/recipes links to the repo's recipes/
 
 # Subcommands whose first positional word is an action, and which config group the word after it selects.
 _ACTIONS = {"models": "model", "data": "data"}
@@ -57,20 +57,6 @@ def _expand_recipe(overrides: list[str]) -> list[str]:
         merged.pop(key, None)
         merged[key] = arg
     return list(merged.values())
-
-
-def recipe_path(value: str) -> Path:
-    """A recipe file path, or a recipe NAME ``<model>/<name>`` -> ``recipes/<model>/<name>.yaml`` (the repo's
-    or the installed package's)."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path
-    named = RECIPES_DIR / (value if value.endswith(".yaml") else f"{value}.yaml")
-    if "/" in value and ".." not in Path(value).parts and named.is_file():
-        return named
-    known = sorted(str(p.relative_to(RECIPES_DIR).with_suffix("")) for p in RECIPES_DIR.glob("*/*.yaml"))
-    raise SpecquantError(f"recipe {value} is neither a file nor a recipe name",
-                         f"give a recipe file or one of: {', '.join(known) or '(none installed)'}")
 
 
 def _flatten(tree: dict, prefix: str = "") -> list[str]:

@@ -8,7 +8,7 @@ from rich.console import Console
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import SamplingParams
 from toolkit.engine.setup import load_engine_model
-from toolkit.engine.timing import process_peak_rss_mb
+from toolkit.timing import process_peak_rss_mb
 from toolkit.errors import InputError
 from toolkit.results import write_result
 

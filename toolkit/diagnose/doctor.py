@@ -4,7 +4,7 @@ render prints and the CLI writes as JSON. Nothing here is estimated that could b
 import torch
 from omegaconf import OmegaConf
 
-from toolkit.bench.latency import kv_bytes_per_token, weight_bytes_per_token
+from toolkit.engine.costs import kv_bytes_per_token, weight_bytes_per_token
 from toolkit.diagnose import whatifs as wi
 from toolkit.diagnose.kv_pressure import default_budget, kv_pressure, sequence_kv_bytes
 from toolkit.diagnose.quality import quality_change, quality_slice

@@ -4,7 +4,7 @@ toolkit.kv.memory, residual window and scales included, so short contexts show t
 
 import torch
 
-from toolkit.bench.latency import kv_bytes_per_token
+from toolkit.engine.costs import kv_bytes_per_token
 from toolkit.kv import quant_config
 from toolkit.kv.memory import model_kv_shape, quantized_kv_bytes
 

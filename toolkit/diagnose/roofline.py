@@ -12,7 +12,7 @@ embeddings and activations are left out: they are small beside these on every mo
 
 import torch
 
-from toolkit.bench.latency import weight_bytes_per_token
+from toolkit.engine.costs import weight_bytes_per_token
 
 
 def _linear_shapes(model) -> dict[str, tuple[int, int]]:

@@ -3,7 +3,7 @@ which the stream of later tokens (decode, the inter-token latencies) takes."""
 
 import statistics
 
-from toolkit.engine.timing import GenerationTiming, percentiles
+from toolkit.timing import GenerationTiming, percentiles
 
 
 def time_split(timings: list[GenerationTiming]) -> dict:

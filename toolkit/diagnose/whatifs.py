@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from toolkit.paths import RECIPES_DIR
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import cpu_has_native_bf16, prefill_runs_bf16
 from toolkit.errors import InputError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 ALL = ("w8", "w4", "kv-int8", "kv-int4", "lookup", "self", "compile", "prefix-cache", "bf16-prefill")
 KNOB = {"baseline": "none", "w8": "weights", "w4": "weights", "kv-int8": "kv", "kv-int4": "kv", "lookup": "spec",
         "self": "spec", "compile": "engine", "prefix-cache": "prefix", "bf16-prefill": "prefill"}

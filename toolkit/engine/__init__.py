@@ -1,7 +1,7 @@
 """The generation engine: prefill and decode_step over a preallocated KV cache, sampling, timing."""
 
 from toolkit.engine.generate import GenerationResult, SequenceOutput, decode_step, generate, prefill
-from toolkit.engine.kv_cache import ContiguousKVCache
+from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.engine.sampling import SamplingParams
 
 __all__ = [

@@ -15,7 +15,7 @@ import torch
 from toolkit.engine.lean_forward import one_token_forward
 from toolkit.engine.precision import bf16_prefill, exact_linears, overflowed
 from toolkit.engine.sampling import SamplingParams, sample
-from toolkit.engine.timing import GenerationTiming, Stopwatch
+from toolkit.timing import GenerationTiming, Stopwatch
 from toolkit.errors import InputError
 
 # on_token(sequence_index, token_id, text_delta): called for every token of every running sequence, and once more

@@ -379,7 +379,7 @@ class NativeDecoder:
 
     def applies(self, hidden: torch.Tensor, attention_mask, cache) -> bool:
         """Whether this call can run natively (see the module docstring); cheap checks only."""
-        from toolkit.engine.kv_cache import ContiguousKVLayer
+        from toolkit.kv.contiguous import ContiguousKVLayer
 
         batch, rows = hidden.shape[0], hidden.shape[1]
         if batch != 1 or rows >= self.max_rows or hidden.dtype != torch.float32 or cache is None:
@@ -410,7 +410,7 @@ class NativeDecoder:
     def _addresses(self, cache, layers) -> tuple:
         """The layers' key and value buffer addresses as C arrays, remade only when some buffer was (re)made
         (`ContiguousKVLayer.buffer_epoch`) or another cache comes: a draft step otherwise spends ~0.05 ms on them."""
-        from toolkit.engine.kv_cache import ContiguousKVLayer
+        from toolkit.kv.contiguous import ContiguousKVLayer
 
         # the first and last buffers' addresses too: a later cache at a freed one's id, holding layers made before
         # the arrays were, cannot pass for it
@@ -451,7 +451,7 @@ def _bench(model: str, context: int = 128, rounds: int = 5, passes: int = 20) ->
     against the lean forward's torch operators over the same loaded model, alternating (median ms per pass)."""
     import time
 
-    from toolkit.engine.kv_cache import ContiguousKVCache
+    from toolkit.kv.contiguous import ContiguousKVCache
     from toolkit.engine.lean_forward import LeanForward
     from toolkit.engine.setup import default_engine_config, load_engine_model
 

@@ -21,7 +21,6 @@ and elementwise ops are slower than fp32 too. So `auto` means:
   AVX512-BF16, SmolLM2-135M RTN int4 g64, one decode step: 8.3 ms native in fp32 against 19.5 ms in bf16).
 """
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -29,6 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from toolkit import cpu
+from toolkit.passes import (  # noqa: F401 (re-exported: the engine's names for them)
+    BF16_DEQUANT_MIN_ROWS,
+    BF16_PREFILL_MIN_ROWS,
+    Pass,
+    bf16_prefill,
+    bf16_prompt_rows,
+    exact_linears,
+)
 from toolkit.errors import InputError
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -50,19 +57,7 @@ UPCAST_MIN_ROWS = 4
 # (prefill) the two are within noise, and the wide path keeps prefill numerics what they were.
 FBGEMM_MAX_ROWS = 256
 
-# engine.prefill_dtype=bf16 (auto on CPUs with AVX512-BF16/AMX): inside `bf16_prefill()`, products of at least this
-# many rows on fp16-stored layers run in bf16 (bf16 copies of the weights, fp32 accumulation and output). A prompt's
-# products are compute-bound, and oneDNN's bf16 GEMM runs them ~2.2x faster than fp32 or fbgemm's fp16 here
-# (SmolLM2's 1536x576 layer at 128 rows: 0.56 ms against 1.28 / 1.09 ms on a 2-core EPYC with AVX512-BF16). Decode
-# steps and speculative verify passes never run it (the context is entered around the prompt pass only), so their
-# arithmetic, and greedy speculation's identity with the target alone, stay as they were.
-BF16_PREFILL_MIN_ROWS = 16
 PREFILL_DTYPES = ("auto", "fp32", "bf16")
-# ... and 4-bit QuantLinear layers (and their fused packs) from this many rows of such a pass leave their int4 kernel
-# for dequantize-to-bf16 + bf16 F.linear (2-core EPYC, SmolLM2 1536x576 g64, median ms, kernel vs bf16 path; noisy:
-# 64 rows 0.79-1.29 vs 0.99-1.25, 96 rows 1.22-1.87 vs 1.11-1.36, 128 rows 1.58-1.88 vs 1.28; `python -m
-# toolkit.quant.qlinear` prints the table for this machine).
-BF16_DEQUANT_MIN_ROWS = 96
 
 
 def cpu_flags() -> frozenset[str]:
@@ -130,8 +125,6 @@ class HalfStorageLinear(torch.nn.Linear):
     SmolLM2) under any multi-row pass. The copy is a buffer, not a parameter: decode never reads it, so it is not
     counted in the bytes a decode step moves."""
 
-    exact = False  # set on the class by exact_linears()
-    prefill = False  # set on the class by bf16_prefill(): a prompt pass is running
     fbgemm_max_rows = 0  # products of fewer rows run fbgemm's packed fp16 GEMM, when the layer has one
 
     def bf16_product(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -162,7 +155,7 @@ class HalfStorageLinear(torch.nn.Linear):
             y = self.fbgemm_product(x, rows)
         if y is not None:
             return y
-        if rows < UPCAST_MIN_ROWS and not HalfStorageLinear.exact:
+        if rows < UPCAST_MIN_ROWS and not Pass.exact:
             y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
             return y if self.bias is None else y + self.bias
         compute = torch.float32 if x.dtype != torch.float32 and not _native_matmul(x.dtype, x.device) else x.dtype
@@ -170,33 +163,6 @@ class HalfStorageLinear(torch.nn.Linear):
         wide = getattr(self, "wide_weight", None)
         weight = wide if wide is not None and wide.dtype == compute else self.weight.to(compute)
         return F.linear(x.to(compute), weight, bias).to(x.dtype)
-
-
-@contextlib.contextmanager
-def exact_linears():
-    """Within the block, HalfStorageLinear computes in the activations' dtype (fp32 on CPU), never in fp16."""
-    previous, HalfStorageLinear.exact = HalfStorageLinear.exact, True
-    try:
-        yield
-    finally:
-        HalfStorageLinear.exact = previous
-
-
-def bf16_prompt_rows(rows: int) -> bool:
-    """Whether a product of `rows` rows runs in bf16 now: inside `bf16_prefill()`, outside `exact_linears()`, and at
-    least BF16_PREFILL_MIN_ROWS rows (layers opt in by holding a bf16 weight or QuantLinear's `prefill_bf16`)."""
-    return HalfStorageLinear.prefill and not HalfStorageLinear.exact and rows >= BF16_PREFILL_MIN_ROWS
-
-
-@contextlib.contextmanager
-def bf16_prefill():
-    """Within the block (a prompt pass), layers prepared with `prefill="bf16"` run many-row products in bf16 (see
-    BF16_PREFILL_MIN_ROWS); every other layer, and every call outside the block, is unchanged."""
-    previous, HalfStorageLinear.prefill = HalfStorageLinear.prefill, True
-    try:
-        yield
-    finally:
-        HalfStorageLinear.prefill = previous
 
 
 def prefill_runs_bf16(model) -> bool:

@@ -4,11 +4,11 @@ turns a config into a cache, so the engine, the speculative loop, eval and bench
 Every cache honours one interface: transformers' `Cache` (attention calls `update`), plus `crop(length)` (rollback),
 `length` (tokens held per sequence) and `nbytes` (bytes it holds for the filled part).
 
-Kinds: fp (toolkit.engine.kv_cache.ContiguousKVCache); int8 / int4 / int2 (toolkit.kv.quantized_cache, KIVI-style,
+Kinds: fp (toolkit.kv.contiguous.ContiguousKVCache); int8 / int4 / int2 (toolkit.kv.quantized_cache, KIVI-style,
 options in toolkit.kv.config); `Int4View` reads a hierarchical INT8 cache as INT4 (toolkit.kv.hierarchical).
 """
 
-from toolkit.engine.kv_cache import ContiguousKVCache
+from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.errors import InputError
 from toolkit.kv.config import KVQuantConfig
 from toolkit.kv.hierarchical import Int4View

@@ -101,3 +101,10 @@ def with_rollback(kv_cfg, depth: int, what: str):
         return kv_cfg
     node = {"kind": kv_cfg} if isinstance(kv_cfg, str) else dict(kv_cfg)
     return {**node, "rollback": depth}
+
+
+def compute_dtype(model) -> "torch.dtype":
+    """The dtype a model's activations (and so its keys and values) run in: what the engine prepared it for
+    (`model.specquant_precision`), else its parameters' dtype."""
+    precision = getattr(model, "specquant_precision", None)
+    return precision.compute if precision is not None else next(model.parameters()).dtype

@@ -40,7 +40,7 @@ the purpose; it exists to measure against.
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from toolkit.engine.kv_cache import LayeredKVCache
+from toolkit.kv.contiguous import LayeredKVCache
 from toolkit.errors import InputError
 from toolkit.kv.config import VALUE_FLUSH, KVQuantConfig
 from toolkit.kv import native

@@ -66,6 +66,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from toolkit import cpu
 from toolkit.fileio import save_torch_atomic
 from toolkit.quant.model_quant import (
     QuantizedStateDict,
@@ -521,9 +522,7 @@ def calibration_dtype(recipe: QuantRecipe, device) -> torch.dtype | None:
     """
     choice = recipe.calib_dtype
     if choice == "auto":
-        from toolkit.engine.precision import cpu_has_native_bf16
-
-        native = torch.device(device).type == "cuda" or cpu_has_native_bf16()
+        native = torch.device(device).type == "cuda" or cpu.native_bf16()
         choice = "bf16" if native else "fp32"
     return torch.bfloat16 if choice == "bf16" else None
 

@@ -160,7 +160,7 @@ def _bench(shapes=((192, 576), (1536, 576), (576, 1536), (3072, 576), (49152, 57
            group: int = 64, reps: int = 200) -> None:
     """Median microseconds per call: this kernel, torch's int4 kernel (bf16 activations, its fast path) and
     fbgemm's fp16 GEMM (the engine's float path), same weights, one after another in this process."""
-    from toolkit.engine.timing import median_call_us
+    from toolkit.timing import median_call_us
 
     def timed(f):
         return median_call_us(f, reps)

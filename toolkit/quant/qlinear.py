@@ -106,7 +106,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from toolkit.engine.precision import BF16_DEQUANT_MIN_ROWS, _native_matmul, bf16_prompt_rows, cpu_flags
+from toolkit import cpu
+from toolkit.passes import BF16_DEQUANT_MIN_ROWS, bf16_prompt_rows
 from toolkit.quant.kernels import (
     FAST_DTYPE,
     INT4_GROUP_SIZES,
@@ -118,7 +119,7 @@ from toolkit.quant import half_native, int4_native, int8_dynamic, int8_native
 from toolkit.quant.primitives import pack_int4_rows
 from toolkit.quant.quantized_weight import QuantizedWeight
 
-KERNEL_MAX_ROWS = {"int4n8": 256 if "avx512f" in cpu_flags() else 96, "int4pack": 48, "int8pack": 32}
+KERNEL_MAX_ROWS = {"int4n8": 256 if cpu.has("avx512f") else 96, "int4pack": 48, "int8pack": 32}
 """Products with fewer rows than this run the low-bit kernel; from it on, dequantize + fp32 F.linear. From the
 medians in the module docstring: int4 at 128 rows 2768 (kernel) vs 2890 us, i.e. about even, so the fp32 path starts at
 128; int8 at 64 rows 1365 vs 1462 us and at 128 rows 2732 vs 2541 us, crossover ~96. int4n8 (specquant's int4 GEMM,
@@ -138,7 +139,7 @@ quantized per row to 7 bits, 16 outlier channels in fp32); between KERNEL_MAX_RO
 Its fixed cost (~0.4 ms weight reorder, ~0.2 ms oneDNN call, ~0.1 ms outlier product) is repaid at ~64 rows, where
 it meets the dequant path (1560 vs 1596 us); at 2048 rows it is 1.55x faster (table in the module docstring)."""
 
-INT8_NATIVE_MAX_ROWS = 256 if "avx512f" in cpu_flags() else INT8_DYNAMIC_MIN_ROWS
+INT8_NATIVE_MAX_ROWS = 256 if cpu.has("avx512f") else INT8_DYNAMIC_MIN_ROWS
 """int8pack layers on specquant's int8 GEMM (exact: fp32 activations) run products of fewer rows than this there, and
 int8 x int8 from it on. ~16 us a row on AVX2, where int8 x int8 wins from ~64 rows; ~12.7 us a row built for an
 AVX512 CPU, where int8 x int8's fixed cost (~2.2 ms for 1536x576) is repaid only near 256 rows (2-core EPYC, best of
@@ -323,7 +324,7 @@ class QuantLinear(torch.nn.Module):
                                     int8_dynamic.outlier_channels(self.in_features))
             y = None if y is None else y.to(x.dtype)  # None: x holds inf/nan, left to the exact path
         if y is None:
-            compute = (torch.bfloat16 if bf16 else x.dtype if _native_matmul(x.dtype, x.device)
+            compute = (torch.bfloat16 if bf16 else x.dtype if cpu.native_matmul(x.dtype, x.device)
                        else torch.float32)
             x2 = x.reshape(rows, self.in_features).to(compute)
             fresh = x2.requires_grad and torch.is_grad_enabled()  # autograd would keep the scratch buffer

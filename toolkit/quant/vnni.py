@@ -252,7 +252,7 @@ def _bench(shapes=((960, 576), (3072, 576), (576, 1536), (49152, 576)), rows=(1,
            reps: int = 200) -> None:
     """Median microseconds per call, one after another on the same weights (in cache): the fp32 int4 kernel (n8
     layout), this kernel at 4 and 8 bits, and fbgemm's fp16 GEMM (the engine's float path)."""
-    from toolkit.engine.timing import median_call_us
+    from toolkit.timing import median_call_us
 
     if not (available() and int4_native.available()):
         raise SystemExit("the low-bit x int8 kernel (AVX512-VNNI) or the fp32 int4 kernel is not available here")

@@ -172,7 +172,7 @@ class ModelDraft:
         self.subset = head if hasattr(head, "vocab_ids") else None
 
     def reset(self, target: RaggedBatch, capacity: int) -> None:
-        from toolkit.engine.kv_cache import ContiguousKVCache
+        from toolkit.kv.contiguous import ContiguousKVCache
         from toolkit.kv import kv_kind, make_kv_cache
         from toolkit.kv.quantized_cache import QuantizedKVCache
 

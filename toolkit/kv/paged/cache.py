@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from toolkit.engine.precision import model_precision
 from toolkit.kv.paged.attention import PAGED_ATTENTION, PLAN_KEY, Bucket, LayerPlan, bucket_rows
 from toolkit.kv.paged.pool import ROOT, BlockPool, OutOfBlocks
 from toolkit.kv.paged.storage import FPBlockStorage
+from toolkit.kv.config import compute_dtype
 
 
 @dataclass
@@ -299,4 +299,4 @@ class PagedKVCache(Cache):
 def _activation_dtype(model) -> torch.dtype:
     """The dtype keys/values come out of attention in: the engine's compute dtype (fp16-stored weights still run
     fp32 activations, see engine.precision)."""
-    return model_precision(model).compute
+    return compute_dtype(model)

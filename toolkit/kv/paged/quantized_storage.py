@@ -40,13 +40,13 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.precision import model_precision
 from toolkit.errors import InputError
 from toolkit.kv import kv_kind, native, quant_config
 from toolkit.kv.memory import model_kv_shape
 from toolkit.kv.paged.pool import OutOfBlocks
 from toolkit.kv.paged.storage import FPBlockStorage
 from toolkit.kv.quantize import ALLOWED_BITS, CLIP_GRID, STORE_DTYPE, dequantize_groups, pack, quantize_groups, unpack
+from toolkit.kv.config import compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +370,7 @@ def plan_pool(model, kv_cfg, budget_bytes: int, block_size: int = 16, max_sequen
     """Blocks and staging slots a quantized storage gets from `budget_bytes`: staging for `max_sequences` (see
     `staging_slots_for`), the rest in blocks."""
     cfg = _quant_cfg(kv_cfg)
-    shape, dtype = model_kv_shape(model), model_precision(model).compute
+    shape, dtype = model_kv_shape(model), compute_dtype(model)
     per_block = QuantizedBlockStorage.bytes_per_block(shape["layers"], block_size, shape["kv_heads"],
                                                       shape["head_dim"], cfg.bits, cfg.group_size)
     per_slot = QuantizedBlockStorage.bytes_per_staging_slot(shape["layers"], block_size, shape["kv_heads"],
@@ -407,7 +407,7 @@ def paged_storage_for(model, kv_cfg, num_blocks: int, block_size: int = 16, stag
     kind, or None = fp): FPBlockStorage for kv=fp, QuantizedBlockStorage for int8/int4/int2 (kv.residual is its
     residual_tokens, kv.group_size its value channel group; keys are grouped by block). Without `staging_slots`,
     as many as `staging_slots_for` says, at most num_blocks."""
-    shape, dtype = model_kv_shape(model), model_precision(model).compute
+    shape, dtype = model_kv_shape(model), compute_dtype(model)
     device = next(model.parameters()).device
     dims = (shape["layers"], num_blocks, block_size, shape["kv_heads"], shape["head_dim"], dtype, device)
     if kv_kind(kv_cfg) == "fp":
