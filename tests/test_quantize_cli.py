@@ -259,7 +259,9 @@ def test_every_shipped_recipe_is_a_valid_quant_recipe():
     names = sorted(RECIPES_DIR.glob("*/*.yaml"))
     assert {"smollm2-135m/" + n for n in ("rtn-w8", "rtn-w4g64", "gptq-w4g64", "gptq-w4g64-actorder", "awq-w4g64",
                                           "gptq-w3g64", "gptq-w8")} <= {f"{p.parent.name}/{p.stem}" for p in names}
-    groups = {p.stem: set(OmegaConf.to_container(OmegaConf.load(p))) for p in (CONF_DIR / "quantize").glob("*.yaml")}
+    from toolkit.paths import quantize_option
+
+    groups = {p.stem: set(quantize_option(p.stem)) for p in (CONF_DIR / "quantize").glob("*.yaml")}
     # the config groups are hydra structs: a key a recipe sets must be in each, or `specquant quantize` refuses it
     fields = {f.name for f in dataclasses.fields(QuantRecipe)} - {"skip", "modules"}
     for group, keys in groups.items():

@@ -6,6 +6,7 @@ from pathlib import Path
 from toolkit.errors import SpecquantError
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"  # toolkit/recipes links to the repo's recipes/
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # toolkit/conf links to the repo's conf/
 
 
 def home() -> Path:
@@ -38,3 +39,13 @@ def recipe_path(value: str) -> Path:
     known = sorted(str(p.relative_to(RECIPES_DIR).with_suffix("")) for p in RECIPES_DIR.glob("*/*.yaml"))
     raise SpecquantError(f"recipe {value} is neither a file nor a recipe name",
                          f"give a recipe file or one of: {', '.join(known) or '(none installed)'}")
+
+
+def quantize_option(name: str) -> dict:
+    """The settings of `conf/quantize/<name>.yaml` as `quantize=<name>` gives them: the group's base, then the
+    option's own keys."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(*(OmegaConf.load(CONF_DIR / "quantize" / f"{n}.yaml") for n in ("base", name)))
+    merged.pop("defaults", None)
+    return OmegaConf.to_container(merged)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from toolkit.paths import RECIPES_DIR
+from toolkit.paths import RECIPES_DIR, quantize_option
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import cpu_has_native_bf16, prefill_runs_bf16
 from toolkit.errors import InputError
@@ -93,7 +93,7 @@ def weight_recipe(option: str, model_name: str):
         node = OmegaConf.to_container(OmegaConf.load(own))["quantize"]
         apply = f"specquant quantize recipe={model_name}/{recipe_name} output=DIR"
     else:
-        node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "quantize" / f"{generic}.yaml"))
+        node = quantize_option(generic)
         node.update(overrides)
         extra = "".join(f" quantize.{k}={v}" for k, v in overrides.items())
         apply = f"specquant quantize model={model_name} quantize={generic}{extra} output=DIR"
