@@ -44,9 +44,10 @@ def summarize(timings: list[GenerationTiming], peak_rss_mb: float, **extra) -> d
 
 
 def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[list[int]], new_tokens: int,
-                      repeats: int, warmup: int, bandwidth: float, kv=None) -> dict:
+                      repeats: int, warmup: int, bandwidth: float, kv=None, llamacpp=None) -> dict:
     """Time the engine on `engine_model` and transformers' generate() on `reference_model` (None: no baseline),
-    both already in their dtypes, on token-id prompts. `kv`: the engine's KV cache config (see toolkit.kv)."""
+    both already in their dtypes, on token-id prompts, and llama.cpp (`toolkit.bench.llamacpp.LlamaCpp`, or None)
+    on the same prompts, all interleaved. `kv`: the engine's KV cache config (see toolkit.kv)."""
     if repeats < 1 or new_tokens < 2:
         raise InputError("bench needs repeats >= 1 and new_tokens >= 2 (one inter-token latency at least)",
                          "raise repeats / new_tokens")
@@ -54,6 +55,8 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
     paths = {"engine": lambda ids: _engine_run(engine_model, tokenizer, ids, new_tokens, kv, kv_seen)}
     if reference_model is not None:
         paths["baseline"] = lambda ids: hf_generate_timed(reference_model, ids, new_tokens)
+    if llamacpp is not None:
+        paths["llamacpp"] = lambda ids: llamacpp.run(ids, new_tokens)
 
     timings = {name: [] for name in paths}
     outputs = {name: [] for name in paths}
@@ -77,6 +80,16 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
         result["speedup_vs_baseline"] = result["decode_tokens_per_s"] / result["baseline"]["decode_tokens_per_s"]
         result["ttft_speedup_vs_baseline"] = result["baseline"]["ttft_ms"] / result["ttft_ms"]
         result["greedy_token_agreement_vs_baseline"] = _agreement(outputs["engine"], outputs["baseline"])
+    if llamacpp is not None:
+        theirs = summarize(timings["llamacpp"], peaks["llamacpp"], name="llama.cpp", dtype=llamacpp.describe())
+        # its floor as the engine's: the GGUF's bytes, and an f16 KV cache (llama.cpp's default) at the mean context
+        seconds = (llamacpp.weight_bytes() + kv_bytes_per_token(engine_model, torch.float16) * mean_context) / bandwidth
+        theirs["decode_floor"] = {"weight_bytes": llamacpp.weight_bytes(), "floor_tokens_per_s": 1 / seconds,
+                                  "times_floor": 1 / seconds / theirs["decode_tokens_per_s"]}
+        result["llamacpp"] = theirs
+        result["speedup_vs_llamacpp"] = result["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
+        result["ttft_speedup_vs_llamacpp"] = theirs["ttft_ms"] / result["ttft_ms"]
+        result["greedy_token_agreement_vs_llamacpp"] = _agreement(outputs["engine"], outputs["llamacpp"])
     return result
 
 

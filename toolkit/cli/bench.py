@@ -3,10 +3,12 @@
 import copy
 import sys
 
+import torch
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from toolkit.bench import llamacpp
 from toolkit.bench.baseline import float_source
 from toolkit.bench.latency import run_latency_bench
 from toolkit.engine.kernel_paths import kernel_paths, summary
@@ -20,14 +22,26 @@ from toolkit.results import append_to_store, make_result, write_result
 console = Console(width=None if sys.stdout.isatty() else 150)
 
 
+def _bits(model_name: str) -> int | None:
+    """The weight bits of a quantized checkpoint (None: a float model), for llama.cpp's nearest type."""
+    from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
+
+    if not is_quantized_model(model_name):
+        return None
+    return int(read_manifest(model_name)["recipe"]["bits"]) if is_quantized_checkpoint(model_name) else 4
+
+
 def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tokens: int, n_prompts: int,
           repeats: int, warmup: int, baseline: str, baseline_dtype: str, config: dict, kv=None) -> dict:
     """Load once, build prompts, time both paths; returns the result record (also used by `demo`)."""
     from toolkit.data import build_prompts
     from toolkit.models import load_model
 
-    if baseline not in ("hf", "none"):
-        raise InputError(f"unknown baseline {baseline!r}", "use baseline=hf or baseline=none")
+    wanted = set(str(baseline).split(","))
+    if not wanted <= {"hf", "none", "llamacpp"}:
+        raise InputError(f"unknown baseline {baseline!r}",
+                         "use baseline=hf, llamacpp, hf,llamacpp or none (a comma-separated list)")
+    baseline = "hf" if "hf" in wanted else "none"
     threads = configure_engine(engine_cfg)
     reference = None
     if is_quantized_model(model_name):  # ours, or GPTQ/AWQ format
@@ -44,11 +58,21 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
     texts = build_prompts(prompts, loaded.tokenizer, prompt_tokens, n_prompts)
     prompt_ids = [loaded.tokenizer(p.text).input_ids for p in texts]
     prepare_engine_model(loaded.model, engine_cfg)
+    peer, peer_missing = None, None
+    if "llamacpp" in wanted:
+        peer_missing = llamacpp.unavailable()
+        if peer_missing is None:
+            gguf_type = llamacpp.nearest_type(_bits(model_name))
+            n_ctx = max(len(ids) for ids in prompt_ids) + new_tokens + 16
+            peer = llamacpp.LlamaCpp(llamacpp.gguf_of_type(float_source(model_name), gguf_type), gguf_type, n_ctx,
+                                     threads or torch.get_num_threads())
     machine = machine_facts(measure=True)
     with console.status(f"timing {len(prompt_ids)} prompts x {repeats} repeats, engine"
                         + (" and transformers generate() interleaved" if reference is not None else "")):
         figures = run_latency_bench(loaded.model, loaded.tokenizer, reference, prompt_ids, new_tokens, repeats,
-                                    warmup, machine["memory_bandwidth_gbs"] * 1e9, kv=kv)
+                                    warmup, machine["memory_bandwidth_gbs"] * 1e9, kv=kv, llamacpp=peer)
+    if peer_missing:
+        figures["llamacpp"] = {"unavailable": peer_missing}
     figures = {"model": loaded.name, "prompts": prompts, "threads": threads, "kernels": kernel_paths(loaded.model),
                **figures}
     return make_result("bench", config, figures, machine)
@@ -58,6 +82,8 @@ def print_table(result: dict) -> None:
     rows = [("engine (specquant)", result)]
     if "baseline" in result:
         rows.append(("transformers generate()", result["baseline"]))
+    if "ttft_ms" in result.get("llamacpp", {}):
+        rows.append(("llama.cpp (llama-cpp-python)", result["llamacpp"]))
     table = Table(title=f"{result['model']} | prompts={result['prompts']} | {result['prompt_tokens']} prompt tokens, "
                         f"{result['new_tokens']} new | {result['runs']} runs | {result['threads']} threads")
     for column in ("path", "dtype", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "decode tok/s",
@@ -81,6 +107,13 @@ def print_table(result: dict) -> None:
                       f"TTFT speedup: {result['ttft_speedup_vs_baseline']:.2f}x   greedy token agreement "
                       f"({result['dtype']} vs {result['baseline']['dtype']}): "
                       f"{result['greedy_token_agreement_vs_baseline']:.3f}")
+    peer = result.get("llamacpp", {})
+    if "unavailable" in peer:
+        console.print(f"llama.cpp: no row -- {peer['unavailable']}", style="yellow", highlight=False)
+    elif peer:
+        console.print(f"vs llama.cpp ({peer['dtype']}, same prompts and threads, interleaved): decode "
+                      f"[bold]{result['speedup_vs_llamacpp']:.2f}x[/], TTFT {result['ttft_speedup_vs_llamacpp']:.2f}x, "
+                      f"greedy token agreement {result['greedy_token_agreement_vs_llamacpp']:.3f}")
     if "kv_bytes" in result:
         console.print(f"engine KV cache at the end: {result['kv_bytes'] / 2**20:.2f} MiB for {result['kv_tokens']} "
                       f"tokens = {result['kv_ratio_to_bf16']:.3f}x a bf16 cache")

@@ -1,0 +1,104 @@
+"""llama.cpp as a bench baseline (`specquant bench baseline=llamacpp`): the engine users would otherwise pick, run
+in the same process on the same prompt token ids with the same threads, interleaved with specquant's runs
+(docs/benchmarks.md, "llama.cpp beside specquant").
+
+llama-cpp-python is an optional extra built from source (`pip install -e ".[llamacpp]"` with
+`CMAKE_ARGS="-DGGML_NATIVE=ON"`); where it is missing, the result says so instead of a row.
+
+Which weights it runs: the model's own GGUF (the file the registry's model was converted from), requantized by
+llama.cpp to the type nearest the engine's weights -- F16 for a float model, Q8_0 for an 8-bit checkpoint, Q4_0 for
+a 4-bit one -- with `allow_requantize`. The shipped GGUFs are already 4-bit (SmolLM2's Q4_1), so these are not the
+engine's exact weights; the row names the type.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from toolkit.errors import InputError
+from toolkit.paths import home
+from toolkit.timing import GenerationTiming, Stopwatch
+
+TYPES = ("F16", "Q8_0", "Q4_0")
+
+
+def unavailable() -> str | None:
+    """Why llama.cpp cannot run here, or None."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return ('llama-cpp-python is not installed (an optional source build: CMAKE_ARGS="-DGGML_NATIVE=ON" '
+                'pip install -e ".[llamacpp]")')
+    return None
+
+
+def nearest_type(bits: int | None) -> str:
+    """llama.cpp's type for weights of `bits` bits (None: a float model)."""
+    return {None: "F16", 8: "Q8_0", 4: "Q4_0"}.get(bits, "Q4_0" if bits and bits < 8 else "F16")
+
+
+def source_gguf(model_name: str) -> Path:
+    """The GGUF a registry model was converted from (`specquant models fetch` keeps it in the cache entry)."""
+    from toolkit.models.cache import SOURCE_GGUF
+    from toolkit.paths import models_dir
+
+    path = models_dir() / model_name / SOURCE_GGUF
+    if not path.is_file():
+        raise InputError(f"no GGUF for {model_name} in the model cache ({path})",
+                         f"run `specquant models fetch {model_name}` (llama.cpp runs the registry's GGUF models)")
+    return path
+
+
+def gguf_of_type(model_name: str, gguf_type: str) -> Path:
+    """`model_name`'s GGUF requantized to `gguf_type` by llama.cpp (made once, cached, written aside and renamed)."""
+    import ctypes
+
+    import llama_cpp
+
+    if gguf_type not in TYPES:
+        raise InputError(f"unknown llama.cpp type {gguf_type!r}", f"use one of {', '.join(TYPES)}")
+    target = home() / "llamacpp" / f"{model_name}-{gguf_type}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type}")
+    params.allow_requantize = True
+    params.pure = gguf_type != "Q4_0"  # every tensor in the type (Q4_0 keeps llama.cpp's own mix for the head)
+    partial = target.with_suffix(f".{os.getpid()}.part")
+    rc = llama_cpp.llama_model_quantize(str(source_gguf(model_name)).encode(), str(partial).encode(),
+                                        ctypes.byref(params))
+    if rc != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not requantize {model_name} to {gguf_type} (rc {rc})")
+    os.replace(partial, target)
+    return target
+
+
+class LlamaCpp:
+    """One llama.cpp model, run greedily on token ids: `run(ids, new_tokens) -> (tokens, timing)` with the same
+    TTFT / ITL marks as the engine's runs (first token after the prompt's evaluation, then one per step)."""
+
+    def __init__(self, path: Path, gguf_type: str, n_ctx: int, threads: int):
+        import llama_cpp
+
+        self.path, self.gguf_type = path, gguf_type
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   n_batch=min(n_ctx, 2048), flash_attn=True, verbose=False)
+
+    def run(self, ids: list[int], new_tokens: int) -> tuple[list[int], GenerationTiming]:
+        watch, tokens = Stopwatch(), []
+        for token in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            watch.mark()
+            tokens.append(int(token))
+            if len(tokens) == new_tokens:
+                break
+        return tokens, watch.timing(len(ids), 1)
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step reads, as for the engine: the file's tensors (a close upper bound)."""
+        return self.path.stat().st_size
+
+    def describe(self) -> str:
+        return f"llama.cpp {self.gguf_type}"
