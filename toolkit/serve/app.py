@@ -291,6 +291,8 @@ class _Guard:
                                  close=True)
                 return None
             if declared > limit:
+                if dict(scope.get("headers") or []).get(b"expect", b"").lower() != b"100-continue":
+                    await _drain(receive)  # a client still uploading would miss the answer (a reset) otherwise
                 await _too_large(send, limit)
                 return None
         chunks, total = [], 0
@@ -301,6 +303,8 @@ class _Guard:
             body = message.get("body", b"")
             total += len(body)
             if total > limit:
+                if message.get("more_body", False):
+                    await _drain(receive)
                 await _too_large(send, limit)
                 return None
             chunks.append(body)
@@ -316,6 +320,28 @@ class _Guard:
             return await receive()
 
         return replay
+
+
+DRAIN_BYTES, DRAIN_SECONDS = 256 * 2**20, 1.0
+
+
+async def _drain(receive) -> None:
+    """Read and drop what is left of a refused body, up to DRAIN_BYTES or DRAIN_SECONDS: closing a connection with
+    unread data makes the kernel reset it, and a client still uploading would get the reset instead of the 413 (what
+    nginx's lingering close avoids). Nothing is kept, so memory does not grow."""
+    loop = asyncio.get_running_loop()
+    deadline, seen = loop.time() + DRAIN_SECONDS, 0
+    while seen < DRAIN_BYTES:
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        try:
+            message = await asyncio.wait_for(receive(), timeout=left)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
+        seen += len(message.get("body", b""))
 
 
 async def _too_large(send, limit: int) -> None:
