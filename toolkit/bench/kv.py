@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.kv import make_kv_cache, quant_config
+from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.kv.memory import bf16_kv_bytes, quantized_kv_bytes
 
 SMOLLM2 = {"layers": 30, "kv_heads": 3, "head_dim": 64}

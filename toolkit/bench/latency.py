@@ -14,8 +14,8 @@ from toolkit.bench.interleave import interleaved
 from toolkit.engine.costs import kv_bytes_per_token, weight_bytes_per_token  # noqa: F401 (bench's names)
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
-from toolkit.timing import GenerationTiming, RssSampler, percentiles
 from toolkit.errors import InputError
+from toolkit.timing import GenerationTiming, RssSampler, percentiles
 
 
 def decode_floor(model, kv_dtype: torch.dtype, context_tokens: float, bandwidth: float) -> dict:

@@ -45,10 +45,17 @@ import time
 
 import torch
 
-from toolkit.engine.generate import (decode_step, generate, left_pad, paged_forward, positions_from_mask, prefill,
-                                     stop_token_ids)
-from toolkit.kv.contiguous import ContiguousKVCache
+from toolkit.engine.generate import (
+    decode_step,
+    generate,
+    left_pad,
+    paged_forward,
+    positions_from_mask,
+    prefill,
+    stop_token_ids,
+)
 from toolkit.errors import InputError
+from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.kv.paged import OutOfBlocks, PagedKVCache
 
 MIB = 1 << 20

@@ -148,7 +148,7 @@ def _peer(model_name: str, spec_cfg, prompt_ids, new_tokens: int, length: DraftL
         return {}
     draft_name = ""
     if spec_cfg.kind == "draft":
-        draft_name = str(spec_cfg.get("model") or "")
+        draft_name = str(spec_cfg.model or "")
         if is_quantized_checkpoint(draft_name):  # ours: the float model it was made from
             draft_name = str(read_manifest(draft_name).get("source") or "")
         if not draft_name or is_quantized_model(draft_name):

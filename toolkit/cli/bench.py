@@ -18,6 +18,7 @@ from toolkit.errors import InputError
 from toolkit.machine import machine_facts
 from toolkit.quant.formats import is_quantized_model
 from toolkit.results import append_to_store, make_result, write_result
+from toolkit.spec.config import SpecConfig
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -120,8 +121,8 @@ def print_table(result: dict) -> None:
 
 
 def run(cfg) -> dict:
-    spec = cfg.get("spec")
-    if spec is not None and spec.kind != "none":  # the same target without vs with speculation (toolkit/bench/spec)
+    spec = SpecConfig.of(cfg.get("spec"))  # resolved once, here
+    if spec.kind != "none":  # the same target without vs with speculation (toolkit/bench/spec)
         from toolkit.bench.spec import print_spec_table, spec_bench
 
         result = spec_bench(cfg.model.name, cfg.engine, spec, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens,

@@ -8,9 +8,10 @@ from rich.console import Console
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import SamplingParams
 from toolkit.engine.setup import load_engine_model
-from toolkit.timing import process_peak_rss_mb
 from toolkit.errors import InputError
 from toolkit.results import write_result
+from toolkit.spec.config import SpecConfig
+from toolkit.timing import process_peak_rss_mb
 
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
@@ -46,8 +47,8 @@ def run(cfg) -> dict:
 
     if streaming:
         sys.stdout.write(texts[0] if not cfg.chat else "")
-    spec = cfg.get("spec")
-    if spec is not None and spec.kind != "none":  # speculative decoding (toolkit/spec): same outputs, fewer passes
+    spec = SpecConfig.of(cfg.get("spec"))  # resolved once, here
+    if spec.kind != "none":  # speculative decoding (toolkit/spec): same outputs, fewer passes
         from toolkit.spec.build import build_draft, draft_length
         from toolkit.spec.decode import speculative_generate
 

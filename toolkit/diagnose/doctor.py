@@ -4,7 +4,6 @@ render prints and the CLI writes as JSON. Nothing here is estimated that could b
 import torch
 from omegaconf import OmegaConf
 
-from toolkit.engine.costs import kv_bytes_per_token, weight_bytes_per_token
 from toolkit.diagnose import whatifs as wi
 from toolkit.diagnose.kv_pressure import default_budget, kv_pressure, sequence_kv_bytes
 from toolkit.diagnose.quality import quality_change, quality_slice
@@ -13,6 +12,7 @@ from toolkit.diagnose.roofline import measure_peaks, roofline
 from toolkit.diagnose.split import dominant as dominant_path
 from toolkit.diagnose.split import time_split
 from toolkit.diagnose.workload import input_stats
+from toolkit.engine.costs import kv_bytes_per_token, weight_bytes_per_token
 from toolkit.engine.generate import encode_prompts
 from toolkit.errors import InputError
 from toolkit.kv import kv_kind

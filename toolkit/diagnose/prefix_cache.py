@@ -11,8 +11,8 @@ Keys/values reused from the cache are the ones the prompt would have computed, s
 import torch
 
 from toolkit.engine.generate import paged_forward
-from toolkit.timing import GenerationTiming, Stopwatch
 from toolkit.kv.paged import PagedKVCache
+from toolkit.timing import GenerationTiming, Stopwatch
 
 BLOCK_SIZE = 16  # the server's default block_size (conf/serve.yaml): only whole blocks are reused
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from toolkit.paths import RECIPES_DIR, quantize_option
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import cpu_has_native_bf16, prefill_runs_bf16
 from toolkit.errors import InputError
+from toolkit.paths import RECIPES_DIR, quantize_option
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 ALL = ("w8", "w4", "kv-int8", "kv-int4", "lookup", "self", "compile", "prefix-cache", "bf16-prefill")

@@ -15,8 +15,8 @@ import torch
 from toolkit.engine.lean_forward import one_token_forward
 from toolkit.engine.precision import bf16_prefill, exact_linears, overflowed
 from toolkit.engine.sampling import SamplingParams, sample
-from toolkit.timing import GenerationTiming, Stopwatch
 from toolkit.errors import InputError
+from toolkit.timing import GenerationTiming, Stopwatch
 
 # on_token(sequence_index, token_id, text_delta): called for every token of every running sequence, and once more
 # per sequence at the end with token_id None to flush text held back (an incomplete UTF-8 character).

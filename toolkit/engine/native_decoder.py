@@ -451,9 +451,9 @@ def _bench(model: str, context: int = 128, rounds: int = 5, passes: int = 20) ->
     against the lean forward's torch operators over the same loaded model, alternating (median ms per pass)."""
     import time
 
-    from toolkit.kv.contiguous import ContiguousKVCache
     from toolkit.engine.lean_forward import LeanForward
     from toolkit.engine.setup import default_engine_config, load_engine_model
+    from toolkit.kv.contiguous import ContiguousKVCache
 
     loaded = load_engine_model(model, default_engine_config())
     m = loaded.model

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit import cpu
+from toolkit.errors import InputError
 from toolkit.passes import (  # noqa: F401 (re-exported: the engine's names for them)
     BF16_DEQUANT_MIN_ROWS,
     BF16_PREFILL_MIN_ROWS,
@@ -36,7 +37,6 @@ from toolkit.passes import (  # noqa: F401 (re-exported: the engine's names for 
     bf16_prompt_rows,
     exact_linears,
 )
-from toolkit.errors import InputError
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

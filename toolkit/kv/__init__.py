@@ -8,9 +8,9 @@ Kinds: fp (toolkit.kv.contiguous.ContiguousKVCache); int8 / int4 / int2 (toolkit
 options in toolkit.kv.config); `Int4View` reads a hierarchical INT8 cache as INT4 (toolkit.kv.hierarchical).
 """
 
-from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.errors import InputError
 from toolkit.kv.config import KVQuantConfig
+from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.kv.hierarchical import Int4View
 from toolkit.kv.quantized_cache import QuantizedKVCache
 

@@ -103,7 +103,7 @@ def with_rollback(kv_cfg, depth: int, what: str):
     return {**node, "rollback": depth}
 
 
-def compute_dtype(model) -> "torch.dtype":
+def compute_dtype(model):
     """The dtype a model's activations (and so its keys and values) run in: what the engine prepared it for
     (`model.specquant_precision`), else its parameters' dtype."""
     precision = getattr(model, "specquant_precision", None)

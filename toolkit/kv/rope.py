@@ -21,7 +21,6 @@ from torch import nn
 
 from toolkit.errors import InputError
 
-
 MIN_ANGLE = 1.0  # radians a pair must turn across one key group to be un-rotated
 
 

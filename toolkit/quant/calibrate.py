@@ -68,6 +68,8 @@ from torch import nn
 
 from toolkit import cpu
 from toolkit.fileio import save_torch_atomic
+from toolkit.quant.awq import AWQLayerQuantizer, AWQOptions, is_norm
+from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
 from toolkit.quant.model_quant import (
     QuantizedStateDict,
     QuantRecipe,
@@ -76,8 +78,6 @@ from toolkit.quant.model_quant import (
     quantize_model,
     relative_error,
 )
-from toolkit.quant.awq import AWQLayerQuantizer, AWQOptions, is_norm
-from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
 from toolkit.quant.offload import has_offloaded, onload, release
 from toolkit.quant.primitives import QuantConfig
 from toolkit.quant.quantized_weight import QuantizedWeight

@@ -108,6 +108,7 @@ import torch.nn.functional as F
 
 from toolkit import cpu
 from toolkit.passes import BF16_DEQUANT_MIN_ROWS, bf16_prompt_rows
+from toolkit.quant import half_native, int4_native, int8_dynamic, int8_native
 from toolkit.quant.kernels import (
     FAST_DTYPE,
     INT4_GROUP_SIZES,
@@ -115,7 +116,6 @@ from toolkit.quant.kernels import (
     INT8_BF16_K_MULTIPLE,
     int4_zeros_from_zero_point,
 )
-from toolkit.quant import half_native, int4_native, int8_dynamic, int8_native
 from toolkit.quant.primitives import pack_int4_rows
 from toolkit.quant.quantized_weight import QuantizedWeight
 

@@ -8,89 +8,68 @@
                   checkpoint), loaded under the same engine config as the target
 """
 
-from omegaconf import DictConfig, OmegaConf
-
 from toolkit.engine.sampling import SamplingParams
 from toolkit.errors import InputError
+from toolkit.spec.config import KINDS, SpecConfig  # noqa: F401 (KINDS: the spec group's kinds)
 from toolkit.spec.decode import DraftLength
 from toolkit.spec.drafts import LookupDraft, ModelDraft
 
-KINDS = ("none", "lookup", "self", "draft")
-
 
 def spec_kind(spec_cfg) -> str:
-    kind = "none" if spec_cfg is None else (spec_cfg if isinstance(spec_cfg, str) else spec_cfg.get("kind", "none"))
-    if kind not in KINDS:
-        raise InputError(f"unknown speculative decoding kind {kind!r}", f"use spec= one of {', '.join(KINDS)}")
-    return kind
-
-
-def _get(cfg, key, default=None):
-    if isinstance(cfg, (dict, DictConfig)):
-        value = cfg.get(key, default)
-        return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
-    return default
+    return SpecConfig.of(spec_cfg).kind
 
 
 def draft_length(spec_cfg) -> DraftLength:
-    return DraftLength(k=int(_get(spec_cfg, "k", 4)), adaptive=bool(_get(spec_cfg, "adaptive", False)),
-                       k_min=int(_get(spec_cfg, "k_min", 1)), k_max=int(_get(spec_cfg, "k_max", 8)))
+    spec = SpecConfig.of(spec_cfg)
+    return DraftLength(k=spec.k, adaptive=spec.adaptive, k_min=spec.k_min, k_max=spec.k_max)
 
 
 def lookup_draft(spec_cfg) -> LookupDraft:
-    """The prompt-lookup draft a `spec=lookup` node describes (a bare kind name gets the defaults)."""
-    return LookupDraft(int(_get(spec_cfg, "ngram_max", 3)), int(_get(spec_cfg, "ngram_min", 1)),
-                       bool(_get(spec_cfg, "scale_by_match", True)), int(_get(spec_cfg, "agree_tokens", 4)),
-                       int(_get(spec_cfg, "doubt_k", 2)))
+    """The prompt-lookup draft a `spec=lookup` node describes (a bare kind name gets the conf defaults)."""
+    spec = SpecConfig.of(spec_cfg)
+    return LookupDraft(spec.ngram_max, spec.ngram_min, spec.scale_by_match, spec.agree_tokens, spec.doubt_k)
 
 
 def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = None, engine_cfg=None):
-    """The draft `spec_cfg` describes, for `target` (a prepared engine model) and its tokenizer; None for none."""
-    kind = spec_kind(spec_cfg)
-    if kind == "none":
+    """The draft `spec_cfg` (a SpecConfig, a spec node or a kind name) describes, for `target` (a prepared engine
+    model) and its tokenizer; None for none."""
+    spec = SpecConfig.of(spec_cfg)
+    if spec.kind == "none":
         return None
-    if kind == "lookup":
-        return lookup_draft(spec_cfg)
-    common = {"sampling": sampling or SamplingParams(), "target_vocab": _vocab(target), "kv": _get(spec_cfg, "kv"),
-              "min_confidence": float(_get(spec_cfg, "min_confidence", 0.0) or 0.0)}
-    if kind == "self":
+    if spec.kind == "lookup":
+        return lookup_draft(spec)
+    common = {"sampling": sampling or SamplingParams(), "target_vocab": _vocab(target), "kv": spec.kv,
+              "min_confidence": float(spec.min_confidence or 0.0)}
+    if spec.kind == "self":
         from toolkit.spec.self_draft import build_self_draft
 
-        bits = _get(spec_cfg, "bits", 4)
-        model = build_self_draft(target, _get(spec_cfg, "layers"), None if bits in (None, 0, 16) else int(bits),
-                                 int(_get(spec_cfg, "group_size", 64)))
-        _draft_head(spec_cfg, model, tokenizer)
-        _draft_activations(spec_cfg, model)
-        return ModelDraft(model, share_kv=bool(_get(spec_cfg, "share_kv", False)), **common)
-    name = _get(spec_cfg, "model")
-    if not name:
+        bits = None if spec.bits in (None, 0, 16) else int(spec.bits)
+        model = build_self_draft(target, spec.layers, bits, int(spec.group_size))
+        _draft_head(spec, model, tokenizer)
+        _draft_activations(spec, model)
+        return ModelDraft(model, share_kv=bool(spec.share_kv), **common)
+    if not spec.model:
         raise InputError("spec=draft needs a draft model", "set spec.model=NAME (a registry name, a directory or a "
                                                            "quantized checkpoint with the target's tokenizer)")
     from toolkit.engine.setup import load_engine_model
 
     if engine_cfg is None:
         raise InputError("spec=draft needs the engine config to load its model", "pass engine_cfg")
-    loaded = load_engine_model(str(name), engine_cfg)
-    _draft_head(spec_cfg, loaded.model, tokenizer)
-    _draft_activations(spec_cfg, loaded.model)
+    loaded = load_engine_model(str(spec.model), engine_cfg)
+    _draft_head(spec, loaded.model, tokenizer)
+    _draft_activations(spec, loaded.model)
     return ModelDraft(loaded.model, target_tokenizer=tokenizer, draft_tokenizer=loaded.tokenizer, **common)
 
 
-def _act_bits(spec_cfg) -> int | None:
+def _act_bits(spec: SpecConfig) -> int | None:
     """spec.act_bits: 8 (the draft's int4 products take int8 activations, `toolkit.quant.vnni`) or None."""
-    bits = _get(spec_cfg, "act_bits")
-    if bits in (None, 0, 32):
-        return None
-    if int(bits) != 8:
-        raise InputError(f"spec.act_bits must be 8 or null, got {bits}", "use spec.act_bits=8, or null for fp32")
-    return 8
+    return None if spec.act_bits in (None, 0, 32) else 8
 
 
-def _draft_head(spec_cfg, model, tokenizer) -> None:
+def _draft_head(spec: SpecConfig, model, tokenizer) -> None:
     """spec.head_bits: the draft's own RTN-quantized output head (toolkit/spec/draft_head.py); spec.head_vocab: over
     the most frequent tokens only (toolkit/spec/draft_vocab.py)."""
-    bits = _get(spec_cfg, "head_bits")
-    size = _get(spec_cfg, "head_vocab")
+    bits, size = spec.head_bits, spec.head_vocab
     if bits in (None, 0, 16):
         if size:
             raise InputError(f"spec.head_vocab={size} needs the draft's own quantized head",
@@ -100,13 +79,13 @@ def _draft_head(spec_cfg, model, tokenizer) -> None:
     from toolkit.spec.draft_vocab import frequent_tokens
 
     vocab = frequent_tokens(tokenizer, int(size), _vocab(model)) if size else None
-    quantize_draft_head(model, int(bits), int(_get(spec_cfg, "head_group_size", 64)), _act_bits(spec_cfg), vocab)
+    quantize_draft_head(model, int(bits), int(spec.head_group_size), _act_bits(spec), vocab)
 
 
-def _draft_activations(spec_cfg, model) -> None:
+def _draft_activations(spec: SpecConfig, model) -> None:
     """spec.act_bits=8: the draft's native int4 decoder stack (a self-draft's int4 layers, an int4 checkpoint's) runs
     the w4a8 kernel where the CPU has AVX512-VNNI; elsewhere, and for float drafts, nothing changes."""
-    if _act_bits(spec_cfg) == 8:
+    if _act_bits(spec) == 8:
         from toolkit.engine.lean_forward import LeanForward
 
         forward = model.__dict__.get("forward")

@@ -30,10 +30,10 @@ from toolkit.engine.generate import (
 )
 from toolkit.engine.precision import bf16_prefill
 from toolkit.engine.sampling import SamplingParams, sample
-from toolkit.timing import GenerationTiming
 from toolkit.errors import InputError
 from toolkit.spec.ragged import RaggedBatch
 from toolkit.spec.verify import verify
+from toolkit.timing import GenerationTiming
 
 
 @dataclass(frozen=True)

@@ -172,8 +172,8 @@ class ModelDraft:
         self.subset = head if hasattr(head, "vocab_ids") else None
 
     def reset(self, target: RaggedBatch, capacity: int) -> None:
-        from toolkit.kv.contiguous import ContiguousKVCache
         from toolkit.kv import kv_kind, make_kv_cache
+        from toolkit.kv.contiguous import ContiguousKVCache
         from toolkit.kv.quantized_cache import QuantizedKVCache
 
         batch = target.batch

@@ -42,11 +42,11 @@ import torch
 
 from toolkit.errors import InputError
 from toolkit.kv import kv_kind, native, quant_config
+from toolkit.kv.config import compute_dtype
 from toolkit.kv.memory import model_kv_shape
 from toolkit.kv.paged.pool import OutOfBlocks
 from toolkit.kv.paged.storage import FPBlockStorage
 from toolkit.kv.quantize import ALLOWED_BITS, CLIP_GRID, STORE_DTYPE, dequantize_groups, pack, quantize_groups, unpack
-from toolkit.kv.config import compute_dtype
 
 log = logging.getLogger(__name__)
 
