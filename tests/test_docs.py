@@ -188,3 +188,13 @@ def test_report_updates_the_readme_beside_benchmarks_md_only(tmp_path):
     report.run(bench)
     text = readme.read_text()
     assert "old" not in text and "| configuration |" in text and "peer: transformers generate()" in text
+
+
+def test_code_and_config_comments_carry_no_history():
+    """Dated runs belong in docs/notes/, not in code, config or recipe comments."""
+    date = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+    files = [p for pattern in ("toolkit/**/*.py", "toolkit/**/*.c", "conf/**/*.yaml", "recipes/**/*.yaml")
+             for p in ROOT.glob(pattern)]
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in files
+             for n, line in enumerate(path.read_text().splitlines(), 1) if date.search(line)]
+    assert files and not found, found

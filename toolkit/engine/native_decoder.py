@@ -8,7 +8,7 @@ residuals), each a dispatch, an allocation and a thread fork, not the weights. H
 (int4: `toolkit.quant.int4_native` or `toolkit.quant.vnni`; int8: `toolkit.quant.int8_native`; fp16:
 `toolkit.quant.half_native`) and a few C loops.
 The float model gains the same way: its decode step went from ~14.4-14.9 ms through torch ops to ~7.7-7.9 ms
-(`python -m toolkit.engine.native_decoder smollm2-135m`, 2026-12-05). `python -m toolkit.engine.native_decoder
+(`python -m toolkit.engine.native_decoder smollm2-135m`). `python -m toolkit.engine.native_decoder
 [MODEL]` times it against the lean forward's torch path on the same model and cache.
 
 When it runs (`NativeDecoder.applies`; anything else takes the lean forward's torch path, same model):

@@ -6,7 +6,7 @@ tiles of 4, each tile [K, blocks, 16]) and fp32 scales [N], fp32 activations and
 from `rows`, a copy per call.
 
 Why: torch's ``aten._weight_int8pack_mm`` is vectorized only for bf16 activations. The layout: with each output's
-codes in a row of [N, K] (this kernel's layout until 2026-12-05), a product spent two widenings and part of a
+codes in a row of [N, K] (this kernel's earlier layout), a product spent two widenings and part of a
 horizontal sum per 8 codes and was bound by those instructions, slower than the same products on fp16 weights
 although it read half the bytes (5.3 against 4.3 ms a step of 66M weights, docs/notes/2026-12-runtime-kernels-native-decoder.md); in the h16 order 16 codes of
 one input column widen once for every row of the pass and need no horizontal sum. `python -m

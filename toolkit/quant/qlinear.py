@@ -124,7 +124,7 @@ KERNEL_MAX_ROWS = {"int4n8": 256 if cpu.has("avx512f") else 96, "int4pack": 48, 
 medians in the module docstring: int4 at 128 rows 2768 (kernel) vs 2890 us, i.e. about even, so the fp32 path starts at
 128; int8 at 64 rows 1365 vs 1462 us and at 128 rows 2732 vs 2541 us, crossover ~96. int4n8 (specquant's int4 GEMM,
 ~15 us a row for 1536x576 on AVX2, `python -m toolkit.quant.int4_native`) meets the dequant path's ~1.5 ms near 96
-rows there; built for an AVX512 CPU it runs ~12.5 us a row, and the dequant path (one C pass since 2026-12-05,
+rows there; built for an AVX512 CPU it runs ~12.5 us a row, and the dequant path (one C pass,
 `int4_native.dequantize`, then fp32 F.linear) meets it between ~128 and ~512 rows depending on the bandwidth other
 jobs leave (2-core EPYC, SmolLM2 up_proj, best of 20 us, two runs: 128 rows 1537-2005 vs 1528-2643, 256 rows
 3058-3083 vs 2991-3630, 512 rows 6298-6321 vs 4802-6114; `python -m toolkit.quant.qlinear`), hence 256 there.

@@ -12,7 +12,7 @@ Packed layout "v16" (made by `pack`, or by `from_n8` from the fp32 kernel's n8 p
 16, blocks in tiles of 4 (the last tile may hold fewer, nt); each tile's bytes in the order the kernel reads them,
 so a thread's share of a matrix is one sequential stream, which the hardware prefetcher follows (read block-major,
 four blocks at a time, a tile is four short streams: SmolLM2's 120 int4 products of a decode step, one thread,
-weights from DRAM, took 3.0 ms that way and 1.9 ms tiled; one run each, 2026-12-04):
+weights from DRAM, took 3.0 ms that way and 1.9 ms tiled; one run each):
 
 * 4-bit ``codes`` uint8, N*K/2 bytes (held as [N/16, K/8, 64]): tile t at byte t*4*(K/8)*64, ordered [K/8, nt, 64];
   byte (o, b, 4j + i) holds code q[n, 8o+i] in its low nibble and q[n, 8o+4+i] in its high nibble, n = 16(4t+b) + j,

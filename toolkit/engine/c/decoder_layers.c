@@ -62,7 +62,7 @@ typedef struct {
 
 /* attention runs on the OpenMP threads above this many (head, row, key) scores a layer, serial below. 512: a one-row
  * step of SmolLM2 (9 heads) goes parallel from a ~57-token context. Measured by two builds alternated call by call on
- * the int4 w4a8 self-draft's stack (one row; medians of 4000 calls each, 2026-12-05): against the former 4096, ctx 40
+ * the int4 w4a8 self-draft's stack (one row; medians of 4000 calls each): against the former 4096, ctx 40
  * at 256 +83 us (why not lower), ctx 64 at 512 -64 us, ctx 128 at 512 -61..-137 us, ctx 300 at 512 -223 us */
 #ifndef SQ_ATTN_PARALLEL_MIN
 #define SQ_ATTN_PARALLEL_MIN 512
