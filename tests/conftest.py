@@ -120,3 +120,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "big_model" in item.keywords:
             item.add_marker(skip)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny llama with a chat template (the session tokenizer has none): what the server tests serve."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama-chat")
+    shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path

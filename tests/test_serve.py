@@ -14,7 +14,6 @@ is checked to run, stream, survive running out of staging slots and free its poo
 full precision on most tokens."""
 
 import json
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,27 +30,12 @@ from toolkit.engine.setup import load_engine_model
 from toolkit.serve.server import BackgroundServer, ServeSettings, build_state
 
 MODEL = "tiny"
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 PROMPTS = ["The class statement", "def f(x): return", "Exceptions are raised when a program meets an error and the "
            "interpreter stops", "import os", "A function definition is an executable statement. Its execution binds "
            "the function name in the current local namespace to a function object", "while True:", "The with "
            "statement is used to wrap the execution of a block", "yield", "Lambda expressions are used to create "
            "anonymous functions", "for x in range(10): print(x)"]
 MAX_TOKENS = [24, 9, 31, 17, 12, 40, 5, 28, 20, 15]  # different lengths: rows leave the batch at different steps
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tiny_llama_dir, tmp_path_factory):
-    """The tiny llama with a chat template (the conftest tokenizer has none)."""
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama-chat")
-    shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -629,8 +613,9 @@ def test_spec_kinds_the_server_does_not_run_are_refused(loaded):
 
 def test_int8_kv_server_streams_and_frees_the_pool(loaded):
     """kv=int8: quantized blocks (sealed 8 tokens behind), concurrent streams finish, the pool goes back to zero;
-    with spec=lookup too (verify passes and crops over quantized blocks)."""
-    for spec in (None, "lookup"):
+    with spec=lookup too (verify passes and crops over quantized blocks; k=4, within the 8 tokens a sealed block
+    trails by, as the server requires)."""
+    for spec in (None, {"kind": "lookup", "k": 4}):
         with _start(loaded, max_batch=4, max_queue=16, max_tokens=100, max_seq_len=256, block_size=4, kv=INT8,
                     spec=spec) as srv:
             storage = srv.state.scheduler.cache.storage

@@ -7,7 +7,6 @@ Bounded: a few hundred examples, derandomized (the same examples every run), a s
 small so an accepted fuzzed request costs a few decode steps."""
 
 import json
-import shutil
 import threading
 from collections import Counter
 
@@ -21,24 +20,16 @@ from toolkit.serve.app import create_app
 from toolkit.serve.server import ServeSettings, build_state
 
 MODEL = "tiny"
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 GREEDY = {"model": MODEL, "prompt": "def f(x): return", "max_tokens": 8, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def app_client(tiny_llama_dir, tmp_path_factory):
+def app_client(chat_model_dir):
     from fastapi.testclient import TestClient
-    from transformers import AutoTokenizer
 
-    path = tmp_path_factory.mktemp("tiny-llama-chat-fuzz")
-    shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
     engine = OmegaConf.create({"device": "cpu", "dtype": "fp32", "weight_dtype": "auto", "threads": None,
                                "compile": False})
-    loaded = load_engine_model(str(path), engine)
+    loaded = load_engine_model(str(chat_model_dir), engine)
     state = build_state(loaded, ServeSettings(model_id=MODEL, max_batch=4, max_queue=64, max_tokens=8,
                                               max_seq_len=128, max_body_mb=1))
     state.scheduler.start()

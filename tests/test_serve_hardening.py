@@ -8,7 +8,6 @@ Servers bind 127.0.0.1 only."""
 
 import http.client
 import json
-import shutil
 import signal
 import socket
 import threading
@@ -26,25 +25,16 @@ from toolkit.engine.setup import load_engine_model
 from toolkit.serve.server import BackgroundServer, ServeSettings, build_state, drain
 
 MODEL = "tiny"
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 PROMPTS = ["The class statement", "def f(x): return", "import os", "while True:", "yield",
            "Lambda expressions are used to create anonymous functions"]
 JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_llama_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama-chat-hardening")
-    shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
+def loaded(chat_model_dir):
     engine = OmegaConf.create({"device": "cpu", "dtype": "fp32", "weight_dtype": "auto", "threads": None,
                                "compile": False})
-    return load_engine_model(str(path), engine)
+    return load_engine_model(str(chat_model_dir), engine)
 
 
 def _start(loaded, **settings):
