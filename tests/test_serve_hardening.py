@@ -19,26 +19,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.test_serve import _start, loaded  # noqa: F401 (the served model's fixture, the server starter)
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import GREEDY_BELOW, SamplingParams, probabilities, sample
-from toolkit.engine.setup import load_engine_model
-from toolkit.serve.server import BackgroundServer, ServeSettings, build_state, drain
+from toolkit.serve.server import drain
 
 MODEL = "tiny"
 PROMPTS = ["The class statement", "def f(x): return", "import os", "while True:", "yield",
            "Lambda expressions are used to create anonymous functions"]
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def loaded(chat_model_dir):
-    engine = OmegaConf.create({"device": "cpu", "dtype": "fp32", "weight_dtype": "auto", "threads": None,
-                               "compile": False})
-    return load_engine_model(str(chat_model_dir), engine)
-
-
-def _start(loaded, **settings):
-    return BackgroundServer(build_state(loaded, ServeSettings(model_id=MODEL, **settings)))
 
 
 @pytest.fixture(scope="module")
