@@ -62,12 +62,15 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
-    finite = torch.isfinite(logits)
     scaled = logits / params.temperature
-    if not bool((torch.isfinite(scaled) | ~finite).all()):  # overflowed: shift the largest finite logit to 0 first,
-        top = torch.where(finite, logits, torch.finfo(logits.dtype).min).amax(-1, keepdim=True)  # then a small
-        scaled = torch.where(finite, logits - top, float("-inf")) / params.temperature  # temperature only sends the
-    logits = scaled  # others towards -inf
+    # only a temperature below 1 can overflow a finite logit: then shift the largest finite logit to 0 first, so a
+    # small temperature only sends the others towards -inf
+    if params.temperature < 1:
+        finite = torch.isfinite(logits)
+        if not bool((torch.isfinite(scaled) | ~finite).all()):
+            top = torch.where(finite, logits, torch.finfo(logits.dtype).min).amax(-1, keepdim=True)
+            scaled = torch.where(finite, logits - top, float("-inf")) / params.temperature
+    logits = scaled
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
