@@ -17,8 +17,10 @@ from toolkit.quant.awq import (
     search_clip_range,
     search_scales,
 )
-from toolkit.quant.calibrate import (_capture, _collect, awq_options, calibration_batches, decoder_blocks,
-                                     make_quantized_state_dict)
+from toolkit.quant.block_passes import capture_inputs, collect_statistics, decoder_blocks
+from toolkit.quant.calibrate import make_quantized_state_dict
+from toolkit.quant.calibration_data import calibration_batches
+from toolkit.quant.layer_quantizers import awq_options
 from toolkit.quant.model_quant import QuantRecipe, quantizable_linears
 from toolkit.quant.primitives import QuantConfig
 
@@ -131,12 +133,12 @@ def test_fold_keeps_float_block_output_and_finds_the_feeding_norms(arch_dir, tin
     model = _load(path)
     batches = calibration_batches(tiny_tokenizer, n_samples=4, seq_len=32, seed=0)
     _, blocks = decoder_blocks(model)
-    inputs, kwargs = _capture(model, blocks, batches, torch.device("cpu"))
+    inputs, kwargs = capture_inputs(model, blocks, batches, torch.device("cpu"))
     block = blocks[0]
     linears = {n: m for n, m in quantizable_linears(model, QuantRecipe(group_size=32))[0].items()
                if n.startswith(decoder_blocks(model)[0] + ".0.")}
     quantizer = AWQLayerQuantizer(CONFIG, AWQOptions(clip=False, search_samples=2, gqa_v_o=gqa_v_o))
-    accumulators, producers = _collect(block, inputs, kwargs[0], linears, quantizer, stop_early=False)
+    accumulators, producers = collect_statistics(block, inputs, kwargs[0], linears, quantizer, stop_early=False)
     mlp_norm = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
     for name in linears:
         suffix = name.rsplit(".", 1)[-1]
@@ -323,7 +325,8 @@ def test_awq_bf16_calibration_folds_into_the_fp32_block(tiny_llama_dir, tiny_tok
     """calib_dtype=bf16: the statistics forward runs on a bf16 copy of each block; the scales are folded into the
     fp32 block's own norms (the copy's producers are mapped back), every weight stays fp32, the model holds the
     saved codes, and the quality is that of fp32 calibration (bf16 rounding of the inputs, not a different fit)."""
-    from toolkit.quant.calibrate import layer_quantizer_for, quantize_blockwise
+    from toolkit.quant.blockwise import quantize_blockwise
+    from toolkit.quant.layer_quantizers import layer_quantizer_for
 
     batches = calibration_batches(tiny_tokenizer, n_samples=4, seq_len=32, seed=0)
     original = _load(tiny_llama_dir)
@@ -350,7 +353,8 @@ def test_awq_next_block_inputs(tiny_llama_dir, tiny_tokenizer, next_inputs):
     """awq_next_inputs=float (AutoAWQ's scheme): one calibration forward per block, whose float outputs are the
     next block's inputs, i.e. the float model's own hidden states; quantized: a second forward per block
     through the scaled, clipped, rounded block, so block 1 calibrates on different inputs."""
-    from toolkit.quant.calibrate import layer_quantizer_for, quantize_blockwise
+    from toolkit.quant.blockwise import quantize_blockwise
+    from toolkit.quant.layer_quantizers import layer_quantizer_for
 
     batches = calibration_batches(tiny_tokenizer, n_samples=4, seq_len=32, seed=0)
     with torch.no_grad():
@@ -412,7 +416,7 @@ def test_awq_gptq_rounding_solves_under_the_scaled_inputs_hessian():
     """awq_rounding=gptq: after the fold the Linear reads x / s, and its codes are GPTQ's under the Hessian of
     x / s, got from the float inputs' Hessian as H / (s sᵀ) (no second pass over the data); on correlated inputs
     with outlier channels they beat AWQ's round-to-nearest codes on the same scaled weight by a margin."""
-    from toolkit.quant.calibrate import GPTQLayerQuantizer
+    from toolkit.quant.layer_quantizers import GPTQLayerQuantizer
     from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
 
     x = _correlated_outlier_inputs()
@@ -440,7 +444,7 @@ def test_awq_gptq_rounding_solves_under_the_scaled_inputs_hessian():
 def test_awq_gptq_rounding_end_to_end(tiny_llama_dir, tiny_tokenizer):
     """The blockwise driver with awq_rounding=gptq: every Linear quantized, codes unlike AWQ's round-to-nearest
     ones, the GPTQ knobs in the quantizer's fingerprint (resumable runs tell the two apart)."""
-    from toolkit.quant.calibrate import layer_quantizer_for
+    from toolkit.quant.layer_quantizers import layer_quantizer_for
 
     runs = {}
     for rounding in ("rtn", "gptq"):
@@ -467,7 +471,8 @@ def test_awq_then_gptq_sequential_runs_gptqs_own_pass_on_the_folded_float_model(
     same codes; gptaq_alpha is refused for the one-pass rounding and allowed here."""
     import dataclasses
 
-    from toolkit.quant.calibrate import GPTQLayerQuantizer, quantize_blockwise
+    from toolkit.quant.blockwise import quantize_blockwise
+    from toolkit.quant.layer_quantizers import GPTQLayerQuantizer
 
     batches = calibration_batches(tiny_tokenizer, n_samples=4, seq_len=32, seed=0)
     recipe = _awq_recipe(calib_dtype="fp32", awq_rounding="gptq-sequential", awq_clip=False, act_order=True,

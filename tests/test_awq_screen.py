@@ -1,10 +1,10 @@
-"""The AWQ screen (toolkit/bench/awq_screen.py): its rounded float model is AWQ's quantized model (the same KL as
+"""The AWQ screen (benchmarks/awq_screen.py): its rounded float model is AWQ's quantized model (the same KL as
 `make_quantized_state_dict`'s), the breakdown's ends meet the whole, and variants are parsed and applied."""
 
 import pytest
 import torch
 
-from toolkit.bench import awq_screen
+from benchmarks import awq_screen
 
 BASE = dict(method="awq", bits=4, group_size=32, symmetric=False, dataset="pydoc", n_samples=4, seq_len=32,
             calib_dtype="fp32", awq_search_samples=2)

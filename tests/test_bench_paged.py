@@ -1,11 +1,11 @@
-"""`python -m toolkit.bench.paged` end to end on a tiny model with tiny sizes: the JSON it writes is self-consistent
+"""`python -m benchmarks.paged` end to end on a tiny model with tiny sizes: the JSON it writes is self-consistent
 (counts, ratios, identical outputs) and lands in the results store. Never asserts speed."""
 
 import json
 
 import pytest
 
-from toolkit.bench import paged
+from benchmarks import paged
 from toolkit.errors import InputError
 
 # fp32: paged and contiguous attention give identical tokens in fp32 (in bf16, on a CPU where the engine defaults

@@ -4,8 +4,11 @@ both phases served without errors, the batch really formed, the server's counter
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent  # where `python -m benchmarks.serve` runs
 
 
 def test_load_benchmark_runs_the_server_in_its_own_process(tmp_path, tiny_tokenizer):
@@ -20,9 +23,9 @@ def test_load_benchmark_runs_the_server_in_its_own_process(tmp_path, tiny_tokeni
     LlamaForCausalLM(config).eval().save_pretrained(model_dir)
     tiny_tokenizer.save_pretrained(model_dir)
     out = tmp_path / "serve.json"
-    run = subprocess.run([sys.executable, "-m", "toolkit.bench.serve", "--model", str(model_dir), "--clients", "3",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.serve", "--model", str(model_dir), "--clients", "3",
                           "--duration", "4", "--sequential-duration", "2", "--max-tokens", "6", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     for phase in ("sequential", "concurrent"):

@@ -163,7 +163,7 @@ def test_generate_prefills_in_bf16_and_speculation_stays_identical_to_the_target
 
 def test_the_prefill_bench_times_both_copies_and_compares_their_outputs(tiny_llama_dir, monkeypatch, capsys):
     import toolkit.engine.precision as precision
-    from toolkit.bench.prefill import print_result, run
+    from benchmarks.prefill import print_result, run
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     out = run(str(tiny_llama_dir), [40], n_prompts=2, rounds=1, new_tokens=6)

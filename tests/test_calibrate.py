@@ -6,12 +6,10 @@ import json
 import pytest
 import torch
 
-from toolkit.quant.calibrate import (
-    RTNLayerQuantizer,
-    calibration_batches,
-    decoder_blocks,
-    quantize_blockwise,
-)
+from toolkit.quant.block_passes import decoder_blocks
+from toolkit.quant.blockwise import quantize_blockwise
+from toolkit.quant.calibration_data import calibration_batches
+from toolkit.quant.layer_quantizers import RTNLayerQuantizer
 from toolkit.quant.model_quant import QuantRecipe, quantize_model
 
 RECIPE = QuantRecipe(bits=4, group_size=32)
@@ -210,12 +208,12 @@ def test_resume_after_crash(tiny_gemma3_dir, batches, tmp_path):
 def test_captured_inputs_match_full_forward(arch, tiny_llama_dir, tiny_gemma3_dir, batches):
     """Block by block on the float model with the captured kwargs reproduces the model's own hidden states
     (checks each block gets its own mask / rotary embeddings: Gemma 3 mixes sliding and full attention)."""
-    from toolkit.quant.calibrate import _capture, _run_block
+    from toolkit.quant.block_passes import capture_inputs, run_block
 
     model = _load(tiny_llama_dir if arch == "llama" else tiny_gemma3_dir)
     _, blocks = decoder_blocks(model)
     with torch.no_grad():
-        inputs, kwargs = _capture(model, blocks, batches, torch.device("cpu"))
+        inputs, kwargs = capture_inputs(model, blocks, batches, torch.device("cpu"))
         assert len(inputs) == N and len(kwargs) == len(blocks)
         _no_hooks(model)  # (output_hidden_states below makes transformers install hooks of its own)
         states = [model(input_ids=batches[j:j + 1], output_hidden_states=True).hidden_states for j in range(N)]
@@ -223,14 +221,14 @@ def test_captured_inputs_match_full_forward(arch, tiny_llama_dir, tiny_gemma3_di
             for j in range(N):
                 torch.testing.assert_close(inputs[j], states[j][i])
             if i + 1 < len(blocks):
-                inputs = _run_block(block, inputs, kwargs[i])
+                inputs = run_block(block, inputs, kwargs[i])
 
 
 class _RecordingGPTQ:
     """GPTQ that keeps a copy of each layer's Hessian (what the layer's inputs were)."""
 
     def __init__(self, recipe):
-        from toolkit.quant.calibrate import GPTQLayerQuantizer
+        from toolkit.quant.layer_quantizers import GPTQLayerQuantizer
 
         self.inner = GPTQLayerQuantizer(recipe)
         self.hessians = {}
@@ -280,7 +278,7 @@ def test_offloaded_model_calibrates_block_by_block_like_the_in_ram_one(tiny_llam
     one onloaded block at a time, to the same codes as in RAM, and the result saves as a checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.quant.calibrate import GPTQLayerQuantizer
+    from toolkit.quant.layer_quantizers import GPTQLayerQuantizer
     from toolkit.quant.checkpoint import save_quantized
     from toolkit.quant.offload import has_offloaded
 
@@ -300,7 +298,7 @@ def test_offloaded_model_calibrates_block_by_block_like_the_in_ram_one(tiny_llam
 
 
 def test_layers_sharing_a_hessian_are_solved_together_with_the_separate_codes(tiny_llama_dir, batches):
-    from toolkit.quant.calibrate import GPTQLayerQuantizer
+    from toolkit.quant.layer_quantizers import GPTQLayerQuantizer
 
     recipe = QuantRecipe(method="gptq", bits=4, group_size=32, symmetric=False, act_order=True)
     solved = {}
@@ -320,7 +318,7 @@ def test_bf16_calibration_quantizes_the_fp32_weights_as_well(tiny_llama_dir, bat
     runs = {}
     reference = _load(tiny_llama_dir)(input_ids=batches).logits
     for dtype in ("fp32", "bf16"):
-        from toolkit.quant.calibrate import GPTQLayerQuantizer
+        from toolkit.quant.layer_quantizers import GPTQLayerQuantizer
 
         recipe = QuantRecipe(method="gptq", bits=4, group_size=32, symmetric=False, calib_dtype=dtype)
         model = _load(tiny_llama_dir)
@@ -336,7 +334,7 @@ def test_bf16_calibration_quantizes_the_fp32_weights_as_well(tiny_llama_dir, bat
 
 def test_calibration_dtype_auto_follows_the_hardware(monkeypatch):
     from toolkit import cpu
-    from toolkit.quant.calibrate import calibration_dtype
+    from toolkit.quant.layer_quantizers import calibration_dtype
 
     for native, expected in ((True, torch.bfloat16), (False, None)):
         monkeypatch.setattr(cpu, "native_bf16", lambda native=native: native)
@@ -395,7 +393,7 @@ def test_one_forward_per_block_matches_the_staged_scheme(arch, tiny_llama_dir, t
     for name, h in one[0].items():
         torch.testing.assert_close(h, staged[0][name], rtol=1e-4, atol=1e-5 * float(h.abs().max()))
 
-    from toolkit.quant.calibrate import GPTQLayerQuantizer
+    from toolkit.quant.layer_quantizers import GPTQLayerQuantizer
 
     reference = _load(path)(input_ids=batches).logits.detach()
     gptq = {}
@@ -419,24 +417,24 @@ def test_calib_batch_is_validated():
 def test_staged_forwards_run_a_batch_in_slices(tiny_llama_dir, batches, monkeypatch):
     """The staged path (AWQ; GPTQ with calib_batch > 0) runs each batch of inputs in slices of _FORWARD_SAMPLES
     samples (cache-sized temporaries) and hands back one output per batch, equal to the unsliced forward."""
-    import toolkit.quant.calibrate as calibrate
-    from toolkit.quant.calibrate import _capture, _collect, _run_block
+    import toolkit.quant.block_passes as block_passes
+    from toolkit.quant.block_passes import capture_inputs, collect_statistics, run_block
 
     model = _load(tiny_llama_dir)
     blocks_name, blocks = decoder_blocks(model)
     with torch.no_grad():
-        inputs, kwargs = _capture(model, blocks, batches, torch.device("cpu"))
+        inputs, kwargs = capture_inputs(model, blocks, batches, torch.device("cpu"))
     batch = [torch.cat(inputs)]
-    whole = _run_block(blocks[0], batch, kwargs[0])
-    monkeypatch.setattr(calibrate, "_FORWARD_SAMPLES", 1)
+    whole = run_block(blocks[0], batch, kwargs[0])
+    monkeypatch.setattr(block_passes, "_FORWARD_SAMPLES", 1)
     calls = []
     handle = blocks[0].register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
-    sliced = _run_block(blocks[0], batch, kwargs[0])
+    sliced = run_block(blocks[0], batch, kwargs[0])
     linears = {n: m for n, m in model.named_modules()
                if n.startswith(f"{blocks_name}.0.") and isinstance(m, torch.nn.Linear)}
     quantizer = CountingQuantizer(RECIPE.config)
     outputs = []
-    accumulators, _ = _collect(blocks[0], batch, kwargs[0], linears, quantizer, stop_early=False, outputs=outputs)
+    accumulators, _ = collect_statistics(blocks[0], batch, kwargs[0], linears, quantizer, stop_early=False, outputs=outputs)
     handle.remove()
     assert calls == [1] * (2 * N)
     assert len(sliced) == 1 and len(outputs) == 1
@@ -451,7 +449,7 @@ class _RecordingGPTAQ:
     """GPTQ with GPTAQ's float pass, keeping what each layer's accumulator was given as the float inputs."""
 
     def __init__(self, recipe, crash_at=None):
-        from toolkit.quant.calibrate import GPTQLayerQuantizer
+        from toolkit.quant.layer_quantizers import GPTQLayerQuantizer
 
         self.inner = GPTQLayerQuantizer(recipe)
         self.needs_float_inputs = True
@@ -503,7 +501,7 @@ def test_gptaq_layers_get_the_float_models_own_inputs(arch, calib_batch, tiny_ll
 def test_gptaq_brings_the_quantized_model_nearer_the_float_one(arch, tiny_llama_dir, tiny_gemma3_dir, batches):
     """On its calibration tokens, GPTAQ (alpha 1: the full least-squares step) leaves the fake-quant model's
     logits nearer the float model's than plain GPTQ: what the float pass and the cross term are for."""
-    from toolkit.quant.calibrate import GPTQLayerQuantizer
+    from toolkit.quant.layer_quantizers import GPTQLayerQuantizer
 
     path = tiny_llama_dir if arch == "llama" else tiny_gemma3_dir
     reference = _load(path)(input_ids=batches).logits.detach()

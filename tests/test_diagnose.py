@@ -20,6 +20,7 @@ from toolkit.diagnose.workload import input_stats
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import cpu_has_native_bf16
 from toolkit.engine.setup import load_engine_model
+from toolkit.evaluation.generation import token_agreement
 from toolkit.timing import GenerationTiming
 
 ENGINE = OmegaConf.create({"device": "cpu", "dtype": "fp32", "weight_dtype": "auto", "threads": 1, "compile": False})
@@ -202,7 +203,7 @@ def test_prefix_cache_reuses_earlier_prompts_blocks_and_keeps_the_baselines_toke
     base = whatifs.Option("baseline", "none", model)
     option = whatifs.Option("prefix-cache", "prefix", model, prefix=PrefixCacheRun(model))
     whatifs.measure([base, option], tok, encoded, new_tokens=6, warmup=1, repeats=2)
-    assert option.outputs == base.outputs and whatifs.token_agreement(option.outputs, base.outputs) == 1.0
+    assert option.outputs == base.outputs and token_agreement(option.outputs, base.outputs) == 1.0
     reused = (len(shared) // BLOCK_SIZE) * BLOCK_SIZE
     # each pass starts cold (the warm-up's blocks dropped too): the first prompt finds nothing, later ones the prefix
     assert option.cached_tokens == [0, reused, reused] * 2

@@ -1,4 +1,4 @@
-"""The fused KV dequantization kernel (toolkit/kv/native.py, toolkit/kv/kernels/dequant.c): bit-equal to the torch
+"""The fused KV dequantization kernel (toolkit/kv/native.py, toolkit/kernels/dequant.c): bit-equal to the torch
 ops it replaces, in both its AVX2 and its portable build, and never required (no compiler -> torch ops)."""
 
 import logging

@@ -221,7 +221,7 @@ def test_a_quantized_self_draft_never_runs_the_targets_fused_fp16_packs(float_mo
     """The int4 self-draft deep-copies the target's layers and swaps their Linear layers for QuantLinear: the copies'
     fused fp16 packs are dropped (and a stale pack would be refused anyway) and replaced by int4 packs of the draft's
     own layers, so the draft runs its int4 weights, exactly as transformers' forward runs them."""
-    from toolkit.engine.lean_forward import Int4N8Pack, Int4Pack
+    from toolkit.engine.fused_packs import Int4N8Pack, Int4Pack
     from toolkit.quant.qlinear import QuantLinear
     from toolkit.spec.self_draft import build_self_draft
 
@@ -257,7 +257,7 @@ def test_fused_int4_packs_give_the_quantized_layers_logits_bit_for_bit(float_mod
     an int4 self-draft): q,k,v and gate,up run as one int4 product each, bit-identical to the separate layers
     (prefill, decode, a 5-token pass, a crop); the layers keep their own packs for the dequantize path; act-order
     layers (a column permutation) are not fused."""
-    from toolkit.engine.lean_forward import Int4N8Pack, Int4Pack, _fuse
+    from toolkit.engine.fused_packs import Int4N8Pack, Int4Pack, _fuse
     from toolkit.quant.qlinear import QuantLinear
     from toolkit.spec.self_draft import build_self_draft
 
@@ -286,7 +286,7 @@ def test_fused_int4_packs_give_the_quantized_layers_logits_bit_for_bit(float_mod
 
 
 def test_the_side_by_side_benchmark_runs_every_forward_on_the_same_tokens(tiny_llama_dir):
-    from toolkit.bench.forward import FORWARDS, PASS_ROWS, _engine, print_result, run
+    from benchmarks.forward import FORWARDS, PASS_ROWS, _engine, print_result, run
 
     assert _engine(str(tiny_llama_dir), "lean-copied-kv", None).forward.share_kv_heads is False
     out = run(str(tiny_llama_dir), rounds=1, steps=2, threads=None)
@@ -331,12 +331,13 @@ def test_a_module_swapped_after_a_lean_pass_is_the_one_that_runs(float_model):
 
 @pytest.mark.parametrize("theta", [10000.0, 100000.0])  # SmolLM2's and Qwen2.5's rope_theta among them
 def test_the_rotary_table_gives_the_modules_own_cos_and_sin_bit_for_bit(theta):
-    """The lean forward reads cos, sin from a table the rotary module made once (`_rotary`): every row equals what a
-    call for that position returns, before and after the table grows, whatever the other positions in the call."""
+    """The lean forward reads cos, sin from a table the rotary module made once (`rotary_cos_sin`): every row equals
+    what a call for that position returns, before and after the table grows, whatever the other positions in the
+    call."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from toolkit.engine.lean_forward import _rotary
+    from toolkit.engine.lean_ops import rotary_cos_sin
 
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=theta, max_position_embeddings=8192)
     rotary = LlamaRotaryEmbedding(config)
@@ -345,7 +346,7 @@ def test_the_rotary_table_gives_the_modules_own_cos_and_sin_bit_for_bit(theta):
     for positions in ([[0, 1, 2, 3, 4]], [[127]], torch.randint(0, 1024, (1, 9), generator=generator).tolist(),
                       [[1023, 1024, 1025]], torch.randint(0, 5000, (2, 7), generator=generator).tolist()):
         position_ids = torch.tensor(positions)
-        cos, sin = _rotary(rotary, hidden, position_ids)
+        cos, sin = rotary_cos_sin(rotary, hidden, position_ids)
         want_cos, want_sin = rotary(hidden, position_ids=position_ids)
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
         for row in range(position_ids.shape[0]):  # and one position at a time, as a decode step asks
@@ -354,5 +355,5 @@ def test_the_rotary_table_gives_the_modules_own_cos_and_sin_bit_for_bit(theta):
                 assert torch.equal(cos[row, j], one_cos[0, 0]) and torch.equal(sin[row, j], one_sin[0, 0])
     assert rotary.specquant_table[0].shape[0] == 8192  # grown by doubling past 4999
     negative = torch.tensor([[-1, 0, 1]])  # not a row of the table: the module's own values
-    assert all(torch.equal(a, b) for a, b in zip(_rotary(rotary, hidden, negative),
+    assert all(torch.equal(a, b) for a, b in zip(rotary_cos_sin(rotary, hidden, negative),
                                                   rotary(hidden, position_ids=negative)))

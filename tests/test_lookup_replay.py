@@ -1,8 +1,8 @@
-"""The lookup replay (toolkit/bench/lookup_replay.py): its rounds are the loop's rounds, its costs are measured."""
+"""The lookup replay (benchmarks/lookup_replay.py): its rounds are the loop's rounds, its costs are measured."""
 
 import pytest
 
-from toolkit.bench.lookup_replay import RULES, Rule, replay
+from benchmarks.lookup_replay import RULES, Rule, replay
 from toolkit.spec.drafts import LookupDraft
 
 
@@ -24,7 +24,7 @@ def test_a_replayed_round_proposes_what_the_draft_would_and_keeps_the_common_pre
 
 
 def test_the_replay_runs_every_rule_on_a_model_with_measured_costs(tiny_llama_dir):
-    from toolkit.bench.lookup_replay import print_result, run
+    from benchmarks.lookup_replay import print_result, run
 
     out = run(str(tiny_llama_dir), ["code"], n_prompts=2, new_tokens=12)
     assert out["costs"][1] == 1.0 and set(out["costs"]) == set(range(1, 18))
@@ -36,7 +36,7 @@ def test_the_replay_runs_every_rule_on_a_model_with_measured_costs(tiny_llama_di
 
 def test_the_replay_runs_in_the_bf16_setting_too(tiny_llama_dir):
     """--native-dot bf16: the replay's model runs the bf16 products (engine.native_dot), its costs measured there."""
-    from toolkit.bench.lookup_replay import main, run
+    from benchmarks.lookup_replay import main, run
     from toolkit.quant import bf16_native
 
     if not bf16_native.available():

@@ -24,7 +24,7 @@ def _act_order(model, group: int):
     """`model` with each int4 QuantLinear re-quantized as act-order GPTQ leaves it: its columns quantized in a
     scattered order (one order per input width, as one Hessian gives q,k,v and gate,up one order), a g_idx saying
     each channel's group; then the fused packs made again."""
-    from toolkit.engine.lean_forward import fuse_projections
+    from toolkit.engine.fused_packs import fuse_projections
     from toolkit.quant.primitives import QuantConfig, choose_qparams, quantize
     from toolkit.quant.qlinear import QuantLinear
     from toolkit.quant.quantized_weight import QuantizedWeight
@@ -231,7 +231,7 @@ def test_the_kv_cache_holds_what_the_torch_path_would_have_written(native_model)
             assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
 
 
-@pytest.mark.skipif(not vnni.available(), reason="int8 activations need the VNNI kernel (AVX512-VNNI)")
+@pytest.mark.skipif(not vnni.available(), reason="int8 activations need the int8 kernel (AVX2)")
 def test_int8_activations_approximate_the_fp32_stack_and_keep_rows_independent(native_model):
     """(int4 stacks: fp16 products keep fp32 activations.) A draft's stack (spec.act_bits=8): every product on the w4a8 kernel, close to the fp32 stack but not it, the
     prompt included (an empty cache is filled by the C stack too, keys and values close to the torch path's), and a
@@ -286,7 +286,7 @@ def test_speculative_greedy_output_with_a_native_target_is_the_target_alone(nati
         else:  # the spec=self defaults on a VNNI CPU: int8 activations, w8a8 head, the target's keys and values
             draft = build_draft({"kind": "self", "bits": 4, "group_size": 32, "share_kv": True, "act_bits": 8,
                                  "head_bits": 8, "head_group_size": 32}, native_model, tiny_tokenizer)
-            assert isinstance(draft.model.lm_head, vnni.VnniLinear) == vnni.available()
+            assert isinstance(draft.model.lm_head, vnni.VnniLinear) == vnni.available(8)
         length = DraftLength(k=2 + i % 4, adaptive=i % 2 == 1, k_min=1, k_max=6)
 
         def recording(self, rows, logits=None):

@@ -1,4 +1,4 @@
-"""Other tools' quantizers side by side (toolkit.bench.quant_peers): the dump eval/peers/ scripts write becomes a
+"""Other tools' quantizers side by side (benchmarks.quant_peers): the dump eval/peers/ scripts write becomes a
 checkpoint that runs exactly as our own with the same codes would. The peers themselves (llm-compressor,
 AutoRound) need their own venv and are not run here."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.bench.quant_peers import checkpoint_from_dump, main, read_dump
+from benchmarks.quant_peers import checkpoint_from_dump, main, read_dump
 from toolkit.errors import InputError
 from toolkit.quant.checkpoint import load_quantized, peer_record, read_manifest, save_quantized
 from toolkit.quant.model_quant import QuantRecipe, quantize_model, swap_quantized_modules
@@ -109,7 +109,7 @@ def test_a_dump_that_does_not_fit_the_source_or_is_not_a_dump_is_refused(llama, 
 
 def test_calibration_windows_are_the_ones_specquant_quantize_draws(tiny_llama_dir, tmp_path):
     from toolkit.models import load_tokenizer
-    from toolkit.quant.calibrate import calibration_batches
+    from toolkit.quant.calibration_data import calibration_batches
 
     out = tmp_path / "calib.pt"
     main(["calibration", "--model", str(tiny_llama_dir), "--out", str(out), "--n-samples", "4", "--seq-len", "32"])

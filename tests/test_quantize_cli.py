@@ -1,6 +1,7 @@
 """`specquant quantize` -> checkpoint -> `generate` / `bench` with model=DIR: the pipeline through the CLI."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,7 +182,7 @@ def test_gptq_beats_rtn_on_smollm2_held_out_text(smollm2):
 
 
 def test_quality_check_of_a_model_against_itself_is_exact(tiny_model):
-    from toolkit.bench.quality import compare
+    from benchmarks.quality import compare
 
     model, tok = tiny_model
     ids = torch.tensor([tok("The syntax of a function definition is as follows").input_ids])
@@ -199,8 +200,9 @@ def test_quality_check_exact_prefill_scores_int8_layers_without_activation_quant
     assert run.returncode == 0, run.stderr
 
     def kl(*flags):
-        done = subprocess.run([sys.executable, "-m", "toolkit.bench.quality", str(out), "--windows", "1",
-                               "--window-tokens", "300", *flags], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([sys.executable, "-m", "benchmarks.quality", str(out), "--windows", "1",
+                               "--window-tokens", "300", *flags], capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parent.parent)  # benchmarks/ is beside tests/
         assert done.returncode == 0, done.stderr
         return float(done.stdout.split("KL ")[1].split(",")[0])
 

@@ -1,4 +1,4 @@
-"""The row-cost bench (toolkit/bench/rowcost.py): every setting the CPU can run is timed at every row count, the
+"""The row-cost bench (benchmarks/rowcost.py): every setting the CPU can run is timed at every row count, the
 one-row step is the unit, and the AMX switch is left as it was found."""
 
 import pytest
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not bf16_native.available(),
 
 
 def test_every_setting_is_timed_at_every_row_count(tiny_llama_dir, capsys):
-    from toolkit.bench.rowcost import print_result, run
+    from benchmarks.rowcost import print_result, run
 
     before = bf16_native.amx_in_use()
     out = run(str(tiny_llama_dir), [1, 3, 20], rounds=2, passes=1, context=8)
@@ -27,7 +27,7 @@ def test_every_setting_is_timed_at_every_row_count(tiny_llama_dir, capsys):
 
 
 def test_rows_must_start_at_one():
-    from toolkit.bench.rowcost import main
+    from benchmarks.rowcost import main
 
     with pytest.raises(SystemExit):
         main(["--rows", "2", "4"])

@@ -9,7 +9,8 @@ import torch
 from torch.nn.utils import parametrize
 
 from toolkit.quant import scale_tuning
-from toolkit.quant.calibrate import calibration_batches, make_quantized_state_dict
+from toolkit.quant.calibrate import make_quantized_state_dict
+from toolkit.quant.calibration_data import calibration_batches
 from toolkit.quant.model_quant import QuantRecipe
 from toolkit.quant.scale_tuning import ScaleTuneOptions, tune_scales
 

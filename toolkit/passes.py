@@ -22,8 +22,8 @@ class Pass:
 BF16_PREFILL_MIN_ROWS = 16
 # ... and 4-bit QuantLinear layers (and their fused packs) from this many rows of such a pass leave their int4 kernel
 # for dequantize-to-bf16 + bf16 F.linear (2-core EPYC, SmolLM2 1536x576 g64, median ms, kernel vs bf16 path; noisy:
-# 64 rows 0.79-1.29 vs 0.99-1.25, 96 rows 1.22-1.87 vs 1.11-1.36, 128 rows 1.58-1.88 vs 1.28; `python -m
-# toolkit.quant.qlinear` prints the table for this machine).
+# 64 rows 0.79-1.29 vs 0.99-1.25, 96 rows 1.22-1.87 vs 1.11-1.36, 128 rows 1.58-1.88 vs 1.28; `python
+# benchmarks/qlinear_paths.py` prints the table for this machine).
 BF16_DEQUANT_MIN_ROWS = 96
 
 

@@ -1,6 +1,6 @@
 """Intel's AutoRound (SignRound: each weight's rounding offset and each group's min/max range learned by signed
 gradient descent on a block's output), as its users run it, on our calibration windows; writes a dump
-(toolkit/bench/quant_peers.py) for `python -m toolkit.bench.quant_peers import`. Runs in the peers' venv
+(benchmarks/quant_peers.py) for `python -m benchmarks.quant_peers import`. Runs in the peers' venv
 (eval/peers/README.md).
 
     python eval/peers/autoround_quantize.py --model DIR --calibration calib.pt --out dump.safetensors [--iters 200]

@@ -1,5 +1,5 @@
 """llm-compressor (vLLM's) weight quantization, as its users run it, on our calibration windows; writes a dump
-(toolkit/bench/quant_peers.py) for `python -m toolkit.bench.quant_peers import`. Runs in the peers' venv
+(benchmarks/quant_peers.py) for `python -m benchmarks.quant_peers import`. Runs in the peers' venv
 (eval/peers/README.md).
 
     python eval/peers/llmcompressor_quantize.py --model DIR --calibration calib.pt --method awq --out dump.safetensors

@@ -1,4 +1,4 @@
-"""The dump a peer script writes (layout: toolkit/bench/quant_peers.py): codes, scales, zeros per quantized Linear,
+"""The dump a peer script writes (layout: benchmarks/quant_peers.py): codes, scales, zeros per quantized Linear,
 the float rest, and a JSON record. Imports nothing of specquant's: it runs in the peers' venv."""
 
 import importlib.metadata

@@ -15,6 +15,7 @@ from toolkit.engine.costs import kv_bytes_per_token, weight_bytes_per_token  # n
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
 from toolkit.errors import InputError
+from toolkit.evaluation.generation import token_agreement
 from toolkit.timing import GenerationTiming, RssSampler, percentiles
 
 
@@ -79,7 +80,7 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
                                            bandwidth, name="transformers generate()")
         result["speedup_vs_baseline"] = result["decode_tokens_per_s"] / result["baseline"]["decode_tokens_per_s"]
         result["ttft_speedup_vs_baseline"] = result["baseline"]["ttft_ms"] / result["ttft_ms"]
-        result["greedy_token_agreement_vs_baseline"] = _agreement(outputs["engine"], outputs["baseline"])
+        result["greedy_token_agreement_vs_baseline"] = token_agreement(outputs["engine"], outputs["baseline"])
     if llamacpp is not None:
         theirs = summarize(timings["llamacpp"], peaks["llamacpp"], name="llama.cpp", dtype=llamacpp.describe())
         # its floor as the engine's: the GGUF's bytes, and an f16 KV cache (llama.cpp's default) at the mean context
@@ -89,7 +90,7 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
         result["llamacpp"] = theirs
         result["speedup_vs_llamacpp"] = result["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
         result["ttft_speedup_vs_llamacpp"] = theirs["ttft_ms"] / result["ttft_ms"]
-        result["greedy_token_agreement_vs_llamacpp"] = _agreement(outputs["engine"], outputs["llamacpp"])
+        result["greedy_token_agreement_vs_llamacpp"] = token_agreement(outputs["engine"], outputs["llamacpp"])
     return result
 
 
@@ -110,10 +111,3 @@ def _engine_run(model, tokenizer, ids: list[int], new_tokens: int, kv=None, kv_s
     return out.sequences[0].token_ids, out.timing
 
 
-def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
-    """Share of generated positions where both paths chose the same token (positionwise, whole length)."""
-    same = total = 0
-    for a, b in zip(ours, theirs):
-        total += max(len(a), len(b))
-        same += sum(x == y for x, y in zip(a, b))
-    return same / total if total else float("nan")

@@ -15,6 +15,7 @@ from toolkit.diagnose.workload import input_stats
 from toolkit.engine.costs import kv_bytes_per_token, weight_bytes_per_token
 from toolkit.engine.generate import encode_prompts
 from toolkit.errors import InputError
+from toolkit.evaluation.generation import token_agreement
 from toolkit.kv import kv_kind
 
 
@@ -102,7 +103,7 @@ def diagnose(cfg, loaded, progress=None) -> dict:
     for option in options:
         rows[option.name] = {**time_split(option.timings), **quality[option.name], "knob": option.knob,
                              "apply": option.apply, "explain": wi.EXPLAIN.get(option.knob, ""),
-                             "token_agreement": wi.token_agreement(option.outputs, options[0].outputs)}
+                             "token_agreement": token_agreement(option.outputs, options[0].outputs)}
     command = base_command(cfg)
     on_dir = command.replace(f"model={cfg.model.name} ", "model=DIR ", 1)
     served = f"specquant serve model={cfg.model.name}"

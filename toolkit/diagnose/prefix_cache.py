@@ -1,7 +1,7 @@
 """The prefix-cache what-if: the workload's prompts, in order, through one paged KV cache with prefix reuse, as
 `specquant serve prefix_cache=true` holds them (toolkit.kv.paged). Each prompt finds the whole blocks earlier
 prompts registered, prefills only the rest, decodes greedily and gives its blocks back, where they stay cached for
-the prompts after it. The same calling convention as toolkit/bench/paged.py's "prefix" part (new_sequence, then
+the prompts after it. The same calling convention as benchmarks/paged.py's "prefix" part (new_sequence, then
 bind / forward / commit per call), timed as generate() times a request: TTFT from the request to its first token
 (prefix lookup and prefill of the remainder included), then one inter-token latency per decode step.
 

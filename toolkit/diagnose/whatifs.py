@@ -240,11 +240,3 @@ def measure(options: list[Option], tokenizer, encoded: list[list[int]], new_toke
                     option.outputs.append(tokens)
                 if progress:
                     progress(1)
-
-
-def token_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
-    same = total = 0
-    for a, b in zip(ours, reference):
-        total += max(len(a), len(b))
-        same += sum(x == y for x, y in zip(a, b))
-    return same / total if total else float("nan")

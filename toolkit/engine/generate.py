@@ -224,18 +224,7 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
         tokens = sample(logits, sampling, generator)
         watch.mark()
         for row, token in enumerate(tokens.tolist()):
-            if finish[row]:
-                continue
-            if token in stop_tokens:
-                finish[row] = "stop"
-                continue
-            generated[row].append(token)
-            if detok is not None:
-                delta = detok[row].push(generated[row])
-                if on_token:
-                    on_token(row, token, delta)
-                if detok[row].stopped:
-                    finish[row] = "stop"
+            take_token(row, token, generated, finish, stop_tokens, detok, on_token)
         if all(finish):
             break
         if batch > 1:  # finished rows keep stepping (the batch moves together) on pad tokens, as generate() does
@@ -243,6 +232,26 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
 
     sequences = finish_sequences(tokenizer, encoded, generated, finish, detok, on_token)
     return GenerationResult(sequences, watch.timing(width, batch), kv_bytes=cache.nbytes)
+
+
+def take_token(row: int, token: int, generated: list[list[int]], finish: list[str], stop_tokens: set[int],
+               detok: list[Detokenizer] | None, on_token: TokenCallback | None) -> bool:
+    """Append `token` to row `row`'s output (plain or speculative generation) unless the row has finished or the
+    token is a stop token (which finishes it: "stop"); the row's detokenizer and `on_token` see it, and a stop string
+    finishes the row too. Returns whether the token was taken."""
+    if finish[row]:
+        return False
+    if token in stop_tokens:
+        finish[row] = "stop"
+        return False
+    generated[row].append(token)
+    if detok is not None:
+        delta = detok[row].push(generated[row])
+        if on_token:
+            on_token(row, token, delta)
+        if detok[row].stopped:
+            finish[row] = "stop"
+    return True
 
 
 def finish_sequences(tokenizer, encoded: list[list[int]], generated: list[list[int]], finish: list[str],

@@ -1,4 +1,4 @@
-"""A whole decoder stack in one C call per forward (toolkit/engine/c/decoder_layers.c): the lean forward's "native"
+"""A whole decoder stack in one C call per forward (toolkit/kernels/decoder_layers.c): the lean forward's "native"
 path for int4 and int8 checkpoints, the int4 self-draft, and float models at the engine's default precision (fp16
 weights, fp32 activations).
 
@@ -8,7 +8,7 @@ residuals), each a dispatch, an allocation and a thread fork, not the weights. H
 (int4: `toolkit.quant.int4_native` or `toolkit.quant.vnni`; int8: `toolkit.quant.int8_native`; fp16:
 `toolkit.quant.half_native`) and a few C loops.
 The float model gains the same way: its decode step went from ~14.4-14.9 ms through torch ops to ~7.7-7.9 ms
-(`python -m toolkit.engine.native_decoder smollm2-135m`). `python -m toolkit.engine.native_decoder
+(`python benchmarks/engine_native_decoder.py smollm2-135m`). `python benchmarks/engine_native_decoder.py
 [MODEL]` times it against the lean forward's torch path on the same model and cache.
 
 When it runs (`NativeDecoder.applies`; anything else takes the lean forward's torch path, same model):
@@ -28,10 +28,11 @@ When it runs (`NativeDecoder.applies`; anything else takes the lean forward's to
   all-fp16 stack runs prompts too, below the packs' max_rows (FBGEMM_MAX_ROWS): its kernel keeps up with fbgemm's
   at 128 rows.
 
-A draft's stack (`spec.act_bits=8`: `LeanForward.native_activations = "int8"`) runs its products on the w4a8
-kernel instead (`toolkit.quant.vnni`: activations rounded to int8 per group, AVX512-VNNI dot products; the v16
-packs are made from the n8 ones once per pack): an approximation of the fp32 product, which a draft may be (the target
-verifies its tokens), row-independent all the same.
+A draft's stack (`spec.act_bits=8`: `LeanForward.native_activations = "int8"`), and a target's at
+`engine.native_dot=int8`, runs its products on the w4a8 kernel instead (`toolkit.quant.vnni`: activations rounded to
+int8 per group, integer dot products on AVX2 or AVX512-VNNI; the v16 packs are made from the n8 ones once per pack):
+an approximation of the fp32 product, row-independent all the same, so speculation on such a target stays
+token-identical to the same target without it.
 
 Numbers: the same model in fp32, within fp32 rounding of transformers' forward (sums in another order; tested on
 the logits), not bit-identical to it. Rows are independent by construction: row i's result is the same whatever
@@ -45,7 +46,6 @@ import ctypes
 import logging
 import weakref
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ from toolkit.quant import bf16_native, half_native, int4_native, int8_native, vn
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "c" / "decoder_layers.c"
+SOURCE = cbuild.source("decoder_layers.c")  # it #includes the five GEMMs beside it
 FLAGS = [*int4_native.FLAGS, "-lm"]  # the int4 GEMM's flags (no FP contraction: row independence), and libm
 ACTIVATIONS = ("fp32", "int8")
 DOTS = ("fp32", "bf16")  # a float model's products: fp16 weights x fp32 (h16), or bf16 x bf16 summed in fp32 (b16)
@@ -91,9 +91,7 @@ class _Dims(ctypes.Structure):
 def load():
     """Build (once per source, flags and CPU) and load the library, or None with a warning."""
     lib = cbuild.load_library(SOURCE, "decoder-layers", list(FLAGS), "native decoder",
-                              "models run the lean forward's torch operators", log,
-                              includes=(int4_native.SOURCE, int8_native.SOURCE, vnni.SOURCE, half_native.SOURCE,
-                                        bf16_native.SOURCE))
+                              "models run the lean forward's torch operators", log)
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -168,7 +166,7 @@ def _half_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], o
 def _half_product(pack, modules: list, owner, keep: list, dot: str = "fp32") -> _Q4 | None:
     """An fp16 product (engine precision fp16 weights, fp32 activations: fbgemm's fused pack or an fp16-stored
     Linear on it) as an h16 product (`dot="bf16"`: a b16 product), or None."""
-    from toolkit.engine.lean_forward import FusedPack
+    from toolkit.engine.fused_packs import FusedPack
     from toolkit.engine.precision import HalfStorageLinear
 
     if pack is not None and type(pack) is not FusedPack:
@@ -217,7 +215,7 @@ def _single(layer) -> tuple | None:
 
 def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None:
     """A layer's (q,k,v, o, gate,up, down) structs where all four are int4 on specquant's kernel, else None."""
-    from toolkit.engine.lean_forward import Int4N8Pack
+    from toolkit.engine.fused_packs import Int4N8Pack
 
     qkv, gate_up, o, down = plan.qkv, plan.gate_up, _single(plan.o), _single(plan.down)
     if not (type(qkv) is Int4N8Pack and type(gate_up) is Int4N8Pack and o and down):
@@ -232,7 +230,7 @@ def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None
 
 def _int8_single(layer) -> tuple | None:
     """(packed codes, scale, bias, in_perm) of an int8 QuantLinear on specquant's int8 GEMM, else None."""
-    from toolkit.engine.lean_forward import on_int8_gemm
+    from toolkit.engine.fused_packs import on_int8_gemm
 
     return (layer.weight_int8_h16, layer.scale, layer.bias, layer.in_perm) if on_int8_gemm(layer) else None
 
@@ -240,7 +238,7 @@ def _int8_single(layer) -> tuple | None:
 def _int8_products(plan, keep: list) -> tuple[_Q4, ...] | None:
     """A layer's structs where all four products are int8 on specquant's int8 GEMM (fused `Int8Pack`s for q,k,v and
     gate,up), else None. A draft's int8 activations do not apply (`ACTIVATIONS`): the products stay fp32."""
-    from toolkit.engine.lean_forward import Int8Pack
+    from toolkit.engine.fused_packs import Int8Pack
 
     qkv, gate_up, o, down = plan.qkv, plan.gate_up, _int8_single(plan.o), _int8_single(plan.down)
     if not (type(qkv) is Int8Pack and type(gate_up) is Int8Pack and o and down):
@@ -271,7 +269,7 @@ def _half_products(plan, keep: list, dot: str = "fp32") -> tuple[_Q4, ...] | Non
 def _head_pack(model, dot: str = "fp32") -> tuple | None:
     """(h16 pack, fp32 bias or None) of an fp16 output head on fbgemm, run on specquant's fp16 kernel after the
     stack (as fast as fbgemm at a row, faster at a verify pass's few: SmolLM2's 49152 x 576 head 1639 against
-    1997 us at 5 rows, `python -m toolkit.quant.half_native`), or None: the head runs itself. `dot="bf16"`: its b16
+    1997 us at 5 rows, `python benchmarks/kernel_gemms.py half`), or None: the head runs itself. `dot="bf16"`: its b16
     pack (the stack's products and the head round alike)."""
     from toolkit.engine.precision import HalfStorageLinear
 
@@ -366,7 +364,7 @@ class NativeDecoder:
         """What runs this stack's products and head, by kernel, with the ISA level they were built for."""
         level = cpu.isa()
         amx = " on AMX tiles" if bf16_native.amx_in_use() else ""
-        names = {N8: "int4 x fp32 (int4_gemm.c)", W4A8: "int4 x int8 VNNI (vnni_gemm.c)",
+        names = {N8: "int4 x fp32 (int4_gemm.c)", W4A8: f"int4 x int8 {vnni.isa_name()} (vnni_gemm.c)",
                  H16: "fp16 x fp32 (half_gemm.c)", I8: "int8 x fp32 (int8_gemm.c)", B16: f"bf16 dot{amx} (bf16_gemm.c)"}
         products: dict[str, int] = {}
         for kind in self.kinds:
@@ -444,48 +442,3 @@ class NativeDecoder:
         for layer in layers:
             layer.advance(rows)
         return hidden
-
-
-def _bench(model: str, context: int = 128, rounds: int = 5, passes: int = 20) -> None:
-    """A decode step and 5- and 9-token passes (speculative verifies) on a `context`-token cache, the native decoder
-    against the lean forward's torch operators over the same loaded model, alternating (median ms per pass)."""
-    import time
-
-    from toolkit.engine.lean_forward import LeanForward
-    from toolkit.engine.setup import default_engine_config, load_engine_model
-    from toolkit.kv.contiguous import ContiguousKVCache
-
-    loaded = load_engine_model(model, default_engine_config())
-    m = loaded.model
-    if loaded.model.specquant_forward != "native":
-        raise SystemExit(f"{model}: the native decoder does not run this model ({m.forward.native_reason})")
-    forwards = {"native": m.forward, "torch ops": LeanForward(m, native=False)}
-    ids = torch.randint(4, m.config.vocab_size, (1, context + 9), generator=torch.Generator().manual_seed(0))
-    print(f"{loaded.name}, {loaded.precision.name}, {torch.get_num_threads()} threads, {context}-token cache; "
-          f"median ms per pass of {rounds} rounds x {passes}")
-    print(f"{'new tokens':>10} {'lean, torch ops':>16} {'native':>8} {'ratio':>7}")
-    with torch.inference_mode():
-        caches = {}
-        for name, forward in forwards.items():
-            caches[name] = ContiguousKVCache.for_model(m, context + 16)
-            forward(input_ids=ids[:, :context], cache=caches[name], use_cache=True)
-        for n in (1, 5, 9):
-            times = {name: [] for name in forwards}
-            for _ in range(rounds):
-                for name, forward in forwards.items():
-                    cache = caches[name]
-                    start = time.perf_counter()
-                    for _ in range(passes):
-                        cache.crop(context)
-                        forward(input_ids=ids[:, context:context + n], cache=cache, use_cache=True)
-                    times[name].append((time.perf_counter() - start) / passes * 1e3)
-            lean, native = (sorted(times[k])[rounds // 2] for k in ("torch ops", "native"))
-            print(f"{n:>10} {lean:>16.2f} {native:>8.2f} {lean / native:>6.2f}x")
-
-
-if __name__ == "__main__":
-    import sys
-
-    from toolkit.paths import home
-
-    _bench(sys.argv[1] if len(sys.argv) > 1 else str(home() / "checkpoints" / "smollm2-135m-gptq-w4g64"))

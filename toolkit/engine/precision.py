@@ -48,7 +48,7 @@ UPCAST_MIN_ROWS = 4
 
 # engine.gemm=fbgemm|auto: below this many rows fp16-stored layers run fbgemm's packed fp16 GEMM (see
 # pack_fbgemm_fp16), from it on the wide path above. Measured on Zen 3, 2 threads, 1536x576 fp16 weight, median us
-# per call (`python -m toolkit.engine.precision` prints this table; other jobs were intermittently running):
+# per call (`python benchmarks/engine_fbgemm.py` prints this table; other jobs were intermittently running):
 #     rows                 1    2    4    9   16   64  128  256  2048
 #     wide fp32 F.linear  81  156  209  299  287  823 1426 2642 50342
 #     fbgemm fp16         43   48   63  110  177  625 1220 2418 42696
@@ -73,14 +73,15 @@ class Precision:
     compute: torch.dtype  # activations, KV cache, norms
     weights: torch.dtype  # stored Linear weights (and a tied embedding)
     prefill: str = "fp32"  # "bf16": prompt passes' products in bf16 (what prepare_model resolved; see bf16_prefill)
-    dot: str = "fp32"  # "bf16": the native stack's products on the bf16 dot-product kernel (engine.native_dot)
+    dot: str = "fp32"  # engine.native_dot: "bf16" (a float stack's bf16 dot products) or "int8" (int4 x int8 activations)
 
     @property
     def name(self) -> str:
         compute, weights = DTYPE_NAMES[self.compute], DTYPE_NAMES[self.weights]
         name = compute if compute == weights else f"{weights} w / {compute} a"  # weights / activations
         return (name + (", bf16 prefill" if self.prefill == "bf16" else "")
-                + (", bf16 native products" + (" on AMX" if _on_amx() else "") if self.dot == "bf16" else ""))
+                + (", bf16 native products" + (" on AMX" if _on_amx() else "") if self.dot == "bf16" else "")
+                + (", int8 activations (w4a8)" if self.dot == "int8" else ""))
 
 
 def _on_amx() -> bool:
@@ -294,36 +295,3 @@ def model_precision(model) -> Precision:
         dtype = next(model.parameters()).dtype
         found = Precision(dtype, dtype)
     return found
-
-
-def _bench_fbgemm(n: int = 1536, k: int = 576, rows=(1, 2, 4, 9, 16, 64, 128, 256, 2048)) -> None:
-    """Print the FBGEMM_MAX_ROWS table for an n x k fp16 weight on this machine."""
-    import time
-
-    weight = (torch.randn(n, k) * 0.02).half()
-    wide = weight.float()
-    packed = torch.ops.quantized.linear_prepack_fp16(wide, None)
-
-    def median_us(f, reps):
-        for _ in range(3):
-            f()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(reps):
-                f()
-            times.append((time.perf_counter() - start) / reps * 1e6)
-        return sorted(times)[2]
-
-    print(f"{n}x{k} fp16 weight, {torch.get_num_threads()} threads, median us per call")
-    print("rows  wide-fp32  fbgemm-fp16  ratio")
-    for m in rows:
-        x = torch.randn(m, k)
-        reps = max(3, 3000 // m)
-        a = median_us(lambda: F.linear(x, wide), reps)
-        b = median_us(lambda: torch.ops.quantized.linear_dynamic_fp16(x, packed), reps)
-        print(f"{m:4d}  {a:9.0f}  {b:11.0f}  {a / b:5.2f}")
-
-
-if __name__ == "__main__":
-    _bench_fbgemm()

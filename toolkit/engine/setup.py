@@ -98,33 +98,60 @@ def load_quantized_model(path):
                        time.perf_counter() - start)
 
 
-def use_native_dot(model, dot: str) -> None:
-    """engine.native_dot: fp32 (default) keeps a float model's native stack on fp16 weights x fp32 activations; bf16
-    puts its products and output head on the bf16 dot-product kernel (`toolkit.quant.bf16_native`). A model whose
-    stack runs low-bit layers (a quantized checkpoint, e.g. a draft loaded beside a bf16 target) keeps its own kernels
-    and its fp32 setting; a model the native stack cannot run at all is an error."""
-    from toolkit.engine.lean_forward import LeanForward
-    from toolkit.engine.native_decoder import DOTS
+ENGINE_DOTS = ("fp32", "bf16", "int8")
+"""engine.native_dot: the native stack's products. fp32 and bf16 apply to a float model's stack, int8 to an int4
+checkpoint's (docs/engine.md, "Precision")."""
 
-    if dot not in DOTS:
-        raise InputError(f"unknown engine.native_dot {dot!r}", f"use one of {', '.join(DOTS)}")
+
+def use_native_dot(model, dot: str) -> None:
+    """engine.native_dot: fp32 (default) keeps a float model's native stack on fp16 weights x fp32 activations and an
+    int4 model's on the exact fp32 int4 kernel; bf16 puts a float model's products and output head on the bf16
+    dot-product kernel (`toolkit.quant.bf16_native`); int8 runs an int4 model's products with each row's activations
+    rounded to int8 per weight group, on integer dot products (`toolkit.quant.vnni`, llama.cpp's q8 activations).
+    A model whose stack runs other layers keeps its own kernels and its fp32 setting where that is harmless (a bf16
+    setting on a low-bit draft); a model the native stack cannot run at all is an error."""
+    from toolkit.engine.lean_forward import LeanForward
+
+    if dot not in ENGINE_DOTS:
+        raise InputError(f"unknown engine.native_dot {dot!r}", f"use one of {', '.join(ENGINE_DOTS)}")
     if dot == "fp32":
         return
     forward = model.__dict__.get("forward")
     if not isinstance(forward, LeanForward) or not forward.native:
-        raise InputError("engine.native_dot=bf16 needs the native decoder stack, which this model does not run",
+        raise InputError(f"engine.native_dot={dot} needs the native decoder stack, which this model does not run",
                          "use engine.forward=auto or native, or engine.native_dot=fp32")
     native = forward.native_decoder()
-    if native is not None and native.half == 0:
+    if dot == "int8":
+        _use_int8_activations(forward, native)
+    elif native is not None and native.half == 0:
         log.info("engine.native_dot=bf16: this model's native stack runs low-bit layers, which keep their kernels")
         return
-    forward.use_dot(dot)
-    if forward.native_decoder() is None:
-        why = forward.native_reason
-        forward.use_dot("fp32")
-        raise InputError(f"engine.native_dot=bf16 cannot run this model: {why}",
-                         "use engine.native_dot=fp32, or a CPU with AVX512-BF16")
+    else:
+        forward.use_dot(dot)
+        if forward.native_decoder() is None:
+            why = forward.native_reason
+            forward.use_dot("fp32")
+            raise InputError(f"engine.native_dot=bf16 cannot run this model: {why}",
+                             "use engine.native_dot=fp32, or a CPU with AVX512-BF16")
     model.specquant_precision = dataclasses.replace(model.specquant_precision, dot=dot)
+
+
+def _use_int8_activations(forward, native) -> None:
+    """engine.native_dot=int8: every product of the stack on the w4a8 kernel, or an error naming why not."""
+    fix = "use engine.native_dot=fp32 (exact fp32 activations)"
+    if native is None:
+        raise InputError(f"engine.native_dot=int8 needs the native decoder stack: {forward.native_reason}", fix)
+    if native.half:
+        raise InputError("engine.native_dot=int8 applies to int4 checkpoints; this is a float model",
+                         f"quantize it first (specquant quantize recipe=.../rtn-w4g64), or {fix}")
+    forward.use_activations("int8")
+    native = forward.native_decoder()
+    products = len(native.kinds) if native is not None else 0
+    if native is None or native.w4a8 != products:
+        forward.use_activations("fp32")
+        raise InputError("engine.native_dot=int8 cannot run every product of this model with int8 activations "
+                         "(its layers must all be int4, the int8 kernel needs AVX2, and each width a multiple of 16 "
+                         "with a group of a multiple of 8)", fix)
 
 
 def prepare_engine_model(model, engine_cfg) -> Precision:

@@ -3,8 +3,7 @@
 `mc_accuracy_norm` divides by each ending's characters (HellaSwag's acc_norm), which removes the pull of shorter
 tokenisations."""
 
-from toolkit.evaluation.continuation import encode_pairs, score_continuations
-from toolkit.evaluation.reference_scores import cached_reference_scores
+from toolkit.evaluation.reference_scores import score_pairs
 
 
 def _choices(scores: list[dict], items: list[dict], normalise: bool) -> list[int]:
@@ -19,13 +18,7 @@ def _choices(scores: list[dict], items: list[dict], normalise: bool) -> list[int
 def score_choice(model, tokenizer, items: list[dict], reference=None, max_context: int = 128, batch_size: int = 16,
                  kv_cfg=None, progress=None) -> dict:
     pairs = [(item["context"], ending) for item in items for ending in item["endings"]]
-    encoded = encode_pairs(tokenizer, pairs, max_context)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    got = score_continuations(model, encoded, pad, batch_size, kv_cfg, progress)
-    ref, stored = got, False
-    if reference is not None:
-        ref, stored = cached_reference_scores(reference, encoded, batch_size, "mc", lambda: score_continuations(
-            reference, encoded, pad, batch_size, progress=progress))
+    got, ref, stored = score_pairs(model, tokenizer, pairs, reference, max_context, batch_size, kv_cfg, progress, "mc")
     labels = [item["label"] for item in items]
     n = len(items)
     figures = {"ref_from_cache": stored}

@@ -7,7 +7,11 @@ values that went through the cache (quantized, for a quantized kind), as they do
 
 import torch
 
-from toolkit.kv import make_kv_cache
+from toolkit.errors import InputError
+from toolkit.kv import kv_kind, make_kv_cache
+
+NATIVE_CHUNK = 1024
+"""Tokens per call when a window runs on the native stack (under its prompt bound, `W4A8_MAX_ROWS`)."""
 
 
 @torch.inference_mode()
@@ -15,6 +19,8 @@ def window_logits(model, ids: torch.Tensor, kv_cfg=None, chunk: int | None = Non
     """[B, T] token ids -> [B, T, vocab] logits (in the model's activation dtype)."""
     device = next(model.parameters()).device
     ids = ids.to(device)
+    if getattr(getattr(model, "specquant_precision", None), "dot", "fp32") == "int8":
+        return _native_window_logits(model, ids, kv_cfg)
     if not chunk or chunk >= ids.shape[1]:
         return model(input_ids=ids, use_cache=False).logits
     batch, length = ids.shape
@@ -25,3 +31,22 @@ def window_logits(model, ids: torch.Tensor, kv_cfg=None, chunk: int | None = Non
         positions = torch.arange(start, start + piece.shape[1], device=device).expand(batch, -1)
         out.append(model(input_ids=piece, position_ids=positions, cache=cache, use_cache=True).logits)
     return torch.cat(out, dim=1)
+
+
+def _native_window_logits(model, ids: torch.Tensor, kv_cfg) -> torch.Tensor:
+    """engine.native_dot=int8: the int8 activations exist only on the native stack, which runs one sequence through
+    a full-precision cache; each window goes through it alone, `NATIVE_CHUNK` tokens a call, so the figures are the
+    arithmetic generation uses."""
+    if kv_kind(kv_cfg) != "fp":
+        raise InputError("engine.native_dot=int8 is evaluated with the full-precision KV cache only",
+                         "use kv=fp, or engine.native_dot=fp32 to measure a quantized cache")
+    out = []
+    for row in ids:
+        cache = make_kv_cache(model, row.shape[0])
+        pieces = []
+        for start in range(0, row.shape[0], NATIVE_CHUNK):
+            piece = row[None, start:start + NATIVE_CHUNK]
+            positions = torch.arange(start, start + piece.shape[1], device=ids.device)[None]
+            pieces.append(model(input_ids=piece, position_ids=positions, cache=cache, use_cache=True).logits)
+        out.append(torch.cat(pieces, dim=1))
+    return torch.cat(out)

@@ -34,3 +34,13 @@ def score_generation(model, tokenizer, prompts: list[list[int]], new_tokens: int
         prefix += common
         total += new_tokens
     return {"gen_token_agreement": equal / total, "gen_prefix_match": prefix / total}
+
+
+def token_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of generated positions where both hold the same token, position by position over the longer of each
+    pair (a missing token counts as different); nan when there are none."""
+    same = total = 0
+    for a, b in zip(ours, reference):
+        total += max(len(a), len(b))
+        same += sum(x == y for x, y in zip(a, b))
+    return same / total if total else float("nan")

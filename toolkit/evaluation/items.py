@@ -46,38 +46,49 @@ def _passage(text: str, end: int) -> str:
     return text[start:end]
 
 
-def build_cloze(texts: list[str]) -> list[dict]:
+def _spaced_items(texts: list[str], pattern: re.Pattern, gap: int, make) -> list[dict]:
+    """The items `make(doc, text, match)` builds at `pattern`'s matches in each text, each match at least
+    MIN_CONTEXT_CHARS into its text and `gap` characters after the last one kept there (a match `make` turns down,
+    returning None, keeps nothing)."""
     items = []
     for doc, text in enumerate(texts):
-        last = -CLOZE_GAP
-        for match in _WORD.finditer(text):
+        last = -gap
+        for match in pattern.finditer(text):
             at = match.start()
-            if at < MIN_CONTEXT_CHARS or at - last < CLOZE_GAP:
+            if at < MIN_CONTEXT_CHARS or at - last < gap:
                 continue
-            raw = _passage(text, at)
-            word = match.group(1)
-            if re.search(rf"\b{word}\b", raw):
-                # the whitespace before the word goes with the target: that is how the tokenizer sees a word
-                # mid-text (" word"), and context and target are tokenised apart
-                context = raw.rstrip()
-                items.append({"doc": doc, "context": context, "target": raw[len(context):] + word})
+            item = make(doc, text, match)
+            if item is not None:
+                items.append(item)
                 last = at
     return items
 
 
+def _cloze_item(doc: int, text: str, match: re.Match) -> dict | None:
+    raw = _passage(text, match.start())
+    word = match.group(1)
+    if not re.search(rf"\b{word}\b", raw):
+        return None
+    # the whitespace before the word goes with the target: that is how the tokenizer sees a word mid-text
+    # (" word"), and context and target are tokenised apart
+    context = raw.rstrip()
+    return {"doc": doc, "context": context, "target": raw[len(context):] + word}
+
+
+def build_cloze(texts: list[str]) -> list[dict]:
+    return _spaced_items(texts, _WORD, CLOZE_GAP, _cloze_item)
+
+
+def _mc_stem(doc: int, text: str, match: re.Match) -> dict | None:
+    at = match.start()
+    words = _TOKEN.findall(text[at:at + 40 * ENDING_WORDS])[:ENDING_WORDS]
+    if len(words) < ENDING_WORDS:
+        return None
+    return {"doc": doc, "context": _passage(text, at).rstrip(), "ending": " " + " ".join(words)}
+
+
 def build_mc(texts: list[str]) -> list[dict]:
-    stems = []
-    for doc, text in enumerate(texts):
-        last = -MC_GAP
-        for match in _TOKEN.finditer(text):
-            at = match.start()
-            if at < MIN_CONTEXT_CHARS or at - last < MC_GAP:
-                continue
-            words = _TOKEN.findall(text[at:at + 40 * ENDING_WORDS])[:ENDING_WORDS]
-            if len(words) < ENDING_WORDS:
-                continue
-            stems.append({"doc": doc, "context": _passage(text, at).rstrip(), "ending": " " + " ".join(words)})
-            last = at
+    stems = _spaced_items(texts, _TOKEN, MC_GAP, _mc_stem)
     items = []
     for i, stem in enumerate(stems):
         rng = random.Random(hashlib.sha256(stem["context"].encode()).digest())

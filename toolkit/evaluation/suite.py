@@ -53,6 +53,11 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
     reference=None: the model is its own reference. progress: tqdm bars on stderr."""
     kind = kv_kind(kv_cfg)
     through_cache = kind != "fp"
+    if getattr(getattr(model, "specquant_precision", None), "dot", "fp32") == "int8" and set(tasks) - {"ppl"}:
+        # int8 activations exist on the native stack only (one sequence at a time): the item and generation tasks
+        # batch their rows, which would score the exact path instead
+        raise InputError("engine.native_dot=int8 is evaluated with task=ppl (perplexity, KL and top-1) only",
+                         "use task=ppl, or engine.native_dot=fp32 for the other tasks")
     figures, protocol, seconds = {}, {}, {}
     reference_note = "its own (same model, fp cache)" if reference is None else "the reference model, fp KV cache"
     for task in tasks:

@@ -13,12 +13,28 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-class ContiguousKVLayer(CacheLayerMixin):
-    """One layer's keys and values in buffers of shape [batch, kv_heads, max_length, head_dim]."""
+class CountedKVLayer(CacheLayerMixin):
+    """A croppable full-attention cache layer that holds `length` tokens of at most `max_length` (the contiguous and
+    the quantized caches' layers), and the sizes transformers asks such a layer for."""
 
     is_compileable = False
     is_croppable = True
     is_sliding = False
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Called before `update` for this step: attention will see the cached prefix plus the new queries.
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_length
+
+
+class ContiguousKVLayer(CountedKVLayer):
+    """One layer's keys and values in buffers of shape [batch, kv_heads, max_length, head_dim]."""
+
     # bumped whenever any layer's buffers are (re)made: the native decoder keeps its arrays of buffer addresses
     # while this is unchanged instead of rebuilding them on every call (~60 address reads a SmolLM2 step)
     buffer_epoch = 0
@@ -83,16 +99,6 @@ class ContiguousKVLayer(CacheLayerMixin):
         """Keys and values of slots start.. as attention reads them, [batch, heads, >= length - start, dim] (here
         views of the buffers themselves; a shared-KV draft copies its slots from them)."""
         return self.key_buffer[:, :, start:], self.value_buffer[:, :, start:]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Called before `update` for this step: attention will see the cached prefix plus the new queries.
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return self.max_length
 
     def crop(self, length: int) -> None:
         """Keep the first `length` tokens (a negative value removes that many from the end, as in transformers)."""

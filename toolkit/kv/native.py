@@ -1,4 +1,4 @@
-"""The fused KV dequantization kernel (toolkit/kv/kernels/dequant.c): built with the system C compiler on first use
+"""The fused KV dequantization kernel (toolkit/kernels/dequant.c): built with the system C compiler on first use
 (`toolkit.cbuild`: cached under $SPECQUANT_HOME/kernels, keyed by source, flags and CPU), called through ctypes on the
 tensors' memory.
 
@@ -8,8 +8,6 @@ ops (`kv.dequant=torch`, the same values): nothing depends on the kernel being t
 
 import ctypes
 import logging
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
@@ -17,30 +15,18 @@ from toolkit import cbuild, cpu
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "dequant.c"
 # -ffp-contract=off: the compiler fuses no multiply-add on its own, so every product and sum rounds as torch's separate
 # ops do (the one fused step, in the rotation, is an explicit fmaf where torch's addcmul_ fuses too): bit-equal
 FLAGS = ["-O3", *cpu.march(), "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 MAX_HEAD_DIM = 512  # the kernel's row buffer
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURE = [_I, _P, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I, _I, _I, _I, _I, _I, _P, _P, _I]
 
-
-def load(flags: tuple[str, ...] = tuple(FLAGS)):
-    """Build (once per source, flags and CPU) and load the kernel; None, with a warning, where it cannot be built.
-    Tests pass `-mno-avx2` to load the portable path beside the AVX2 one."""
-    lib = cbuild.load_library(SOURCE, "kv-dequant", list(flags), "KV dequantization kernel",
-                              "using torch ops (slower, same values)", log)
-    if lib is None:
-        return None
-    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.sq_dequant.argtypes = [i, p, i64, p, p, p, p, i64, p, i64, i, i, i, i, i, i, p, p, i]
-    lib.sq_dequant.restype = i
-    return lib
-
-
-@lru_cache(maxsize=1)
-def kernel():
-    """The library the caches use (its function: sq_dequant), or None: see `load`."""
-    return load()
+# `kernel()`: the library the caches use (its function: sq_dequant), or None, with a warning, where it cannot be
+# built; tests `load` the portable path beside the AVX2 one with `-mno-avx2`
+KERNEL = cbuild.Kernel("dequant.c", "kv-dequant", FLAGS, "KV dequantization kernel",
+                       "using torch ops (slower, same values)", log, {"sq_dequant": _SIGNATURE})
+load, kernel = KERNEL.load, KERNEL.library
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -38,21 +38,16 @@ the purpose; it exists to measure against.
 """
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from toolkit.errors import InputError
 from toolkit.kv import native
 from toolkit.kv.config import VALUE_FLUSH, KVQuantConfig
-from toolkit.kv.contiguous import LayeredKVCache
+from toolkit.kv.contiguous import CountedKVLayer, LayeredKVCache
 from toolkit.kv.quantize import CLIP_GRID, dequantize_groups, pack, quantize_groups, split_planes, unpack, unpack_into
 from toolkit.kv.rope import RotaryTable, rope_frequencies, rotary_tables
 
 
-class QuantizedKVLayer(CacheLayerMixin):
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
-
+class QuantizedKVLayer(CountedKVLayer):
     def __init__(self, max_length: int, cfg: KVQuantConfig, workspace: "Workspace | None" = None,
                  rope: RotaryTable | None = None):
         super().__init__()
@@ -174,7 +169,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Whether this read goes through the fused kernel: kv.dequant other than torch, plain codes (hierarchical
         planes and their INT4 reading stay on torch ops), an output the kernel can write, and codes that need
         unpacking or a rotation: plain 8-bit codes are one conversion, which torch's own copy does as fast (the
-        kernel was no faster for them in toolkit.bench.kv, and its single unpack step buys nothing there)."""
+        kernel was no faster for them in benchmarks.kv, and its single unpack step buys nothing there)."""
         return (self.cfg.dequant != "torch" and not self.cfg.hierarchical and not hi_only
                 and (self.cfg.bits < 8 or rotate) and native.supported(out, self.cfg.bits)
                 and native.kernel() is not None)
@@ -379,15 +374,6 @@ class QuantizedKVLayer(CacheLayerMixin):
         (length < Tk + R + rollback)."""
         cfg = self.cfg
         return cfg.crop_shadow and self.quantized > 0 and self.length < self.quantized + cfg.residual + cfg.rollback
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return self.max_length
 
     def _cannot_crop(self, new_length: int, what: str) -> InputError:
         return InputError(

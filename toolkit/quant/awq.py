@@ -466,7 +466,7 @@ def awq_block(block: nn.Module, linears: dict[str, nn.Linear], collectors: dict[
 class AWQLayerQuantizer:
     """AWQ in the block driver's layer-quantizer protocol: inputs are collected, `prepare_block` runs the
     scale/clip search and folds, then each Linear is rounded: to nearest, or by ``rounding`` (a
-    `toolkit.quant.calibrate.GPTQLayerQuantizer`) under the Hessian of its scaled inputs."""
+    `toolkit.quant.layer_quantizers.GPTQLayerQuantizer`) under the Hessian of its scaled inputs."""
 
     needs_producers = True  # the driver records which norm output feeds which Linear
 

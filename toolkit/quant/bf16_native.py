@@ -1,4 +1,4 @@
-"""specquant's bf16 dot-product GEMM for x86 CPUs with AVX512-BF16 (toolkit/quant/c/bf16_gemm.c): weights stored in
+"""specquant's bf16 dot-product GEMM for x86 CPUs with AVX512-BF16 (toolkit/kernels/bf16_gemm.c): weights stored in
 bf16, each row of fp32 activations rounded to bf16, products summed in fp32 by vdpbf16ps; built on first use
 (`toolkit.cbuild`).
 
@@ -9,8 +9,8 @@ does two multiply-adds per lane and instruction. `engine.native_dot=bf16` puts a
 output head) on this kernel: the arithmetic of a bf16 model (bf16 weights and activations into every product, fp32
 sums, norms, attention and KV cache), for decode steps and verify passes alike, so speculative greedy output stays
 token-identical to the same engine without speculation. It is not the fp16-weight model's arithmetic: logits move by
-bf16 rounding (docs/notes/2026-12-runtime-kernels-native-decoder.md, "bf16 products on the native stack"). `python -m toolkit.quant.bf16_native` times it beside
-the fp16 kernel.
+bf16 rounding (docs/notes/2026-12-runtime-kernels-native-decoder.md, "bf16 products on the native stack").
+`python benchmarks/kernel_gemms.py bf16` times it beside the fp16 kernel.
 
 Packed layout "b16" (made by `pack`): output channels in blocks of 16, blocks in tiles of 4 (the last tile may hold
 fewer, nt), each tile stored in the order the kernel reads it: ``w`` bf16 [N*K], tile t at element t*64*K, ordered
@@ -36,7 +36,6 @@ import ctypes
 import logging
 import os
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
@@ -45,20 +44,11 @@ from toolkit.quant import half_native, int4_native
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "c" / "bf16_gemm.c"
 FLAGS = int4_native.FLAGS  # -ffp-contract=off among them
 BLOCK_N = 16
 TILE = 4
 K_MULTIPLE = 32  # the kernel rounds activations 32 columns at a time
-
-
-def load(flags: tuple[str, ...] = tuple(FLAGS)):
-    """Build (once per source, flags and CPU) and load the library; None where it cannot be built or the CPU lacks
-    AVX512-BF16 (the function then returns 2)."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return cbuild.load_kernel(SOURCE, "bf16-gemm", list(flags), "bf16 dot-product GEMM kernel",
-                              "engine.native_dot=bf16 is unavailable", log,
-                              {"sq_b16_linear": [p, i64, i64, p, p, i64, p], "sq_b16_amx": [ctypes.c_int]}, _self_test)
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def _self_test(lib) -> str | None:
@@ -66,6 +56,13 @@ def _self_test(lib) -> str | None:
     w = pack(torch.ones(16, 32))
     rc = lib.sq_b16_linear(x.data_ptr(), 1, 32, w.data_ptr(), None, 16, y.data_ptr())
     return cbuild.self_test_verdict(rc, torch.equal(y, torch.full((1, 16), 32.0)), "AVX512-BF16")
+
+
+# `load()`: the library, or None where it cannot be built or the CPU lacks AVX512-BF16 (the function then returns 2)
+KERNEL = cbuild.Kernel("bf16_gemm.c", "bf16-gemm", FLAGS, "bf16 dot-product GEMM kernel",
+                       "engine.native_dot=bf16 is unavailable", log,
+                       {"sq_b16_linear": [_P, _I64, _I64, _P, _P, _I64, _P], "sq_b16_amx": [ctypes.c_int]}, _self_test)
+load = KERNEL.load
 
 
 AMX_OFF_ENV = "SPECQUANT_NO_AMX"  # set to 1: the bf16 products stay on vdpbf16ps where the CPU has AMX
@@ -160,35 +157,3 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 @ W.T (+ bias, fp32) for W's b16 pack, x rounded to bf16 per row: [M, n] fp32."""
     return half_native.call(kernel().sq_b16_linear, "bf16", x, packed, n, bias)
-
-
-def _bench() -> None:
-    """This kernel against specquant's fp16 kernel on SmolLM2's shapes, weights rotated through copies beyond the
-    caches (median us of 30 calls, alternating)."""
-    import statistics
-    import time
-
-    print(f"{'shape':>12} {'rows':>5} {'fp16 (h16)':>11} {'bf16 (b16)':>11}")
-    for n, k in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
-        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).mul_(0.05).half()
-        copies = max(2, int(96e6 // (n * k * 2)))
-        halves = [half_native.pack(w) for _ in range(copies)]
-        ours = [pack(w) for _ in range(copies)]
-        for m in (1, 6, 9, 12):
-            x = torch.randn(m, k)
-            times = {"h16": [], "b16": []}
-            for i in range(30):
-                start = time.perf_counter()
-                half_native.linear(x, halves[i % copies], n)
-                times["h16"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                linear(x, ours[(i + copies // 2) % copies], n)
-                times["b16"].append(time.perf_counter() - start)
-            a, b = (statistics.median(times[key]) * 1e6 for key in ("h16", "b16"))
-            print(f"{f'{n}x{k}':>12} {m:>5} {a:>8.0f} us {b:>8.0f} us")
-
-
-if __name__ == "__main__":
-    if not available():
-        raise SystemExit("the bf16 GEMM kernel is not available here (no compiler or no AVX512-BF16)")
-    _bench()

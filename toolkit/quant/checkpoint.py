@@ -45,7 +45,7 @@ from toolkit.quant.primitives import QuantConfig, pack_int4_rows, unpack_int4_ro
 from toolkit.quant.quantized_weight import QuantizedWeight
 
 MANIFEST = "quant_manifest.json"
-PEER_RECORD = "peer.json"  # beside the manifest when another tool chose the codes (toolkit.bench.quant_peers)
+PEER_RECORD = "peer.json"  # beside the manifest when another tool chose the codes (benchmarks.quant_peers)
 TENSORS = "quantized.safetensors"
 FORMAT = "specquant-quantized"
 FORMAT_VERSION = 1
@@ -196,7 +196,7 @@ def is_quantized_checkpoint(path: str | Path) -> bool:
 
 
 def peer_record(path: str | Path) -> dict | None:
-    """What ``PEER_RECORD`` says of a checkpoint another tool quantized (`toolkit.bench.quant_peers`), else None."""
+    """What ``PEER_RECORD`` says of a checkpoint another tool quantized (`benchmarks.quant_peers`), else None."""
     try:
         record = json.loads((Path(path).expanduser() / PEER_RECORD).read_text())
     except (OSError, ValueError):

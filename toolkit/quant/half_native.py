@@ -1,10 +1,10 @@
-"""specquant's fp16-weight GEMM for x86 CPUs with AVX512F or AVX2 + F16C (toolkit/quant/c/half_gemm.c): fp16 weights widened in
+"""specquant's fp16-weight GEMM for x86 CPUs with AVX512F or AVX2 + F16C (toolkit/kernels/half_gemm.c): fp16 weights widened in
 registers, fp32 activations and accumulation, built on first use (`toolkit.cbuild`).
 
 Why: the engine's default float precision is fp16 weights with fp32 activations, which fbgemm's fp16 GEMM runs well
 from torch. The native decoder stack (toolkit/engine/native_decoder.py) runs a whole decode step in one C call and
-needs the same product in C; this kernel is it, and on this machine it is as fast as fbgemm's or faster (`python -m
-toolkit.quant.half_native` prints both: SmolLM2's 960x576 fused q,k,v at a row ~35 against ~48 us). Each output is
+needs the same product in C; this kernel is it, and on this machine it is as fast as fbgemm's or faster (`python
+benchmarks/kernel_gemms.py half` prints both: SmolLM2's 960x576 fused q,k,v at a row ~35 against ~48 us). Each output is
 the fp16 weight's exact value times the fp32 activation, summed by explicit FMAs in input order: fbgemm's model, its
 sums in another order. A row's result never depends on the rows beside it (the same operations in the same order
 whatever the number of rows), which is what a speculative verify pass needs from a target.
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
@@ -32,18 +30,10 @@ from toolkit.quant import int4_native
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "c" / "half_gemm.c"
 FLAGS = int4_native.FLAGS  # -ffp-contract=off among them: explicit FMAs only, rows independent
 BLOCK_N = 16
 TILE = 4
-
-
-def load(flags: tuple[str, ...] = tuple(FLAGS)):
-    """Build (once per source, flags and CPU) and load the library; None where it cannot be built or the CPU lacks
-    AVX2 + F16C + FMA (the function then returns 2: callers keep fbgemm)."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return cbuild.load_kernel(SOURCE, "half-gemm", list(flags), "fp16-weight GEMM kernel", "fp16 layers keep fbgemm",
-                              log, {"sq_f16_linear": [p, i64, i64, p, p, i64, p]}, _self_test)
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def _self_test(lib) -> str | None:
@@ -53,14 +43,11 @@ def _self_test(lib) -> str | None:
     return cbuild.self_test_verdict(rc, torch.equal(y, torch.full((1, 16), 8.0)), "AVX2 + F16C + FMA")
 
 
-@lru_cache(maxsize=1)
-def kernel():
-    """The loaded library (function ``sq_f16_linear``), or None: see `load`."""
-    return load()
-
-
-def available() -> bool:
-    return kernel() is not None
+# `kernel()`: the library (function ``sq_f16_linear``), or None where it cannot be built or the CPU lacks AVX2 + F16C
+# + FMA (the function then returns 2): callers keep fbgemm
+KERNEL = cbuild.Kernel("half_gemm.c", "half-gemm", FLAGS, "fp16-weight GEMM kernel", "fp16 layers keep fbgemm", log,
+                       {"sq_f16_linear": [_P, _I64, _I64, _P, _P, _I64, _P]}, _self_test)
+load, kernel, available = KERNEL.load, KERNEL.library, KERNEL.available
 
 
 def supports(n: int, k: int) -> bool:
@@ -121,35 +108,3 @@ def call(function, what: str, x: torch.Tensor, packed: torch.Tensor, n: int,
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 @ W.T (+ bias, fp32) for W's h16 pack: [M, n] fp32."""
     return call(kernel().sq_f16_linear, "fp16", x, packed, n, bias)
-
-
-def _bench() -> None:
-    """This kernel against fbgemm's fp16 GEMM on SmolLM2's shapes, weights rotated through copies beyond the caches
-    (median us of 30 calls, alternating)."""
-    import statistics
-    import time
-
-    print(f"{'shape':>12} {'rows':>5} {'specquant h16':>14} {'fbgemm fp16':>12}")
-    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]:
-        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).mul_(0.05).half()
-        copies = max(1, int(64e6 // (n * k * 2)))
-        ours = [pack(w) for _ in range(copies)]
-        theirs = [torch.ops.quantized.linear_prepack_fp16(w.float(), None) for _ in range(copies)]
-        for m in (1, 5, 9, 17):
-            x = torch.randn(m, k)
-            times = {"ours": [], "fbgemm": []}
-            for i in range(30):
-                start = time.perf_counter()
-                linear(x, ours[i % copies], n)
-                times["ours"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                torch.ops.quantized.linear_dynamic_fp16(x, theirs[i % copies])
-                times["fbgemm"].append(time.perf_counter() - start)
-            a, b = (statistics.median(times[key]) * 1e6 for key in ("ours", "fbgemm"))
-            print(f"{f'{n}x{k}':>12} {m:>5} {a:>12.0f} us {b:>9.0f} us")
-
-
-if __name__ == "__main__":
-    if not available():
-        raise SystemExit("the fp16 GEMM kernel is not available here (no compiler or no AVX2 + F16C)")
-    _bench()

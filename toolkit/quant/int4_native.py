@@ -1,9 +1,9 @@
-"""specquant's own int4 GEMM for x86 CPUs with AVX2 (toolkit/quant/c/int4_gemm.c): 4-bit group-quantized weights,
+"""specquant's own int4 GEMM for x86 CPUs with AVX2 (toolkit/kernels/int4_gemm.c): 4-bit group-quantized weights,
 fp32 activations and accumulation, built on first use (`toolkit.cbuild`) and called through ctypes.
 
 Why not torch's kernel: ``aten._weight_int4pack_mm_for_cpu`` is vectorized only for bf16 activations, and on AVX2
 (no native bf16) it spends its time widening bf16 and scales rather than reading weights. Measured here for
-SmolLM2's 1536x576 MLP shape, one row, 2 threads, weights in cache (`python -m toolkit.quant.int4_native`): this
+SmolLM2's 1536x576 MLP shape, one row, 2 threads, weights in cache (`python benchmarks/kernel_gemms.py int4`): this
 kernel ~26-30 us, torch's int4 ~78 us, fbgemm fp16 ~38 us, with four times the bytes of int4. It also needs no bf16
 rounding of the activations, so it is closer to the dequantized weight's fp32 product than torch's kernel is.
 
@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
@@ -39,21 +37,11 @@ from toolkit import cbuild, cpu
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "c" / "int4_gemm.c"
 # -ffp-contract=off: the compiler fuses no multiply-add on its own (the kernel's FMAs are explicit), so every tiling
 # instance rounds the same way and a row's result does not depend on the rows beside it
 FLAGS = ["-O3", *cpu.march(), "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 BLOCK_N = 8  # output channels per block of the n8 layout
-
-
-def load(flags: tuple[str, ...] = tuple(FLAGS)):
-    """Build (once per source, flags and CPU) and load the library; None, with a warning, where it cannot be built or
-    the CPU lacks AVX2 (the function reports it: the caller then keeps torch's int4 kernel)."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return cbuild.load_kernel(SOURCE, "int4-gemm", list(flags), "int4 GEMM kernel",
-                              "int4 layers run torch's int4 kernel (slower on AVX2)", log,
-                              {"sq_int4_linear": [p, i64, i64, p, p, p, p, i64, i64, p],
-                               "sq_int4_dequant": [p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_int]}, _self_test)
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def _self_test(lib) -> str | None:
@@ -64,20 +52,28 @@ def _self_test(lib) -> str | None:
     return None if rc == 0 and torch.equal(y, torch.full((1, 8), 16.0)) else f"rc {rc}"
 
 
-@lru_cache(maxsize=1)
-def kernel():
-    """The loaded library (function ``sq_int4_linear``), or None: see `load`."""
-    return load()
-
-
-def available() -> bool:
-    return kernel() is not None
+# `kernel()`: the library (functions ``sq_int4_linear``, ``sq_int4_dequant``), or None, with a warning, where it
+# cannot be built or the CPU lacks AVX2 (the function reports it): the caller then keeps torch's int4 kernel
+KERNEL = cbuild.Kernel("int4_gemm.c", "int4-gemm", FLAGS, "int4 GEMM kernel",
+                       "int4 layers run torch's int4 kernel (slower on AVX2)", log,
+                       {"sq_int4_linear": [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P],
+                        "sq_int4_dequant": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, ctypes.c_int]}, _self_test)
+load, kernel, available = KERNEL.load, KERNEL.library, KERNEL.available
 
 
 def supports(out_features: int, in_features: int, group_size: int) -> bool:
     """Whether the n8 layout holds an [out, in] weight at this group size (see the module docstring)."""
     return (out_features % BLOCK_N == 0 and in_features % 2 == 0 and group_size % 2 == 0 and group_size > 0
             and in_features > 0)
+
+
+def group_count(n: int, k: int, group_size: int, scale: torch.Tensor, zero: torch.Tensor) -> int:
+    """ceil(k / group_size), the groups of a row; raises ValueError unless scale and zero are [n, that] (the packs'
+    check, here and in `toolkit.quant.vnni`)."""
+    n_groups = -(-k // group_size)
+    if tuple(scale.shape) != (n, n_groups) or tuple(zero.shape) != (n, n_groups):
+        raise ValueError(f"scale and zero must be [{n}, {n_groups}], got {tuple(scale.shape)}, {tuple(zero.shape)}")
+    return n_groups
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
@@ -88,9 +84,7 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_siz
     if not supports(n, k, group_size):
         raise ValueError(f"the n8 int4 layout needs out % 8 == 0 and even in and group; got [{n}, {k}], group "
                          f"{group_size}")
-    n_groups = -(-k // group_size)
-    if tuple(scale.shape) != (n, n_groups) or tuple(zero.shape) != (n, n_groups):
-        raise ValueError(f"scale and zero must be [{n}, {n_groups}], got {tuple(scale.shape)}, {tuple(zero.shape)}")
+    n_groups = group_count(n, k, group_size, scale, zero)
     c = codes.to(torch.uint8).reshape(n // BLOCK_N, BLOCK_N, k // 2, 2)
     packed = (c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1).contiguous()
 
@@ -154,38 +148,3 @@ def linear(x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: tor
         if rc:
             raise ValueError(f"the int4 GEMM kernel refused [{n}, {k}] at group {group_size} (rc {rc})")
     return y
-
-
-def _bench(shapes=((192, 576), (1536, 576), (576, 1536), (3072, 576), (49152, 576)), rows=(1, 4, 9, 17),
-           group: int = 64, reps: int = 200) -> None:
-    """Median microseconds per call: this kernel, torch's int4 kernel (bf16 activations, its fast path) and
-    fbgemm's fp16 GEMM (the engine's float path), same weights, one after another in this process."""
-    from toolkit.timing import median_call_us
-
-    def timed(f):
-        return median_call_us(f, reps)
-
-    if not available():
-        raise SystemExit("the int4 GEMM kernel is not available here (see the log)")
-    g = torch.Generator().manual_seed(0)
-    print(f"group {group}, {torch.get_num_threads()} threads; median us per call (weights in cache)")
-    print(f"{'out x in':>12} {'rows':>4} {'specquant int4':>15} {'torch int4 (bf16)':>18} {'fbgemm fp16':>12}")
-    for n, k in shapes:
-        q = torch.randint(0, 16, (n, k), generator=g)
-        s = torch.rand(n, k // group, generator=g) * 0.01 + 1e-3
-        z = torch.randint(0, 16, (n, k // group), generator=g)
-        w = ((q.view(n, -1, group) - z[..., None]) * s[..., None]).view(n, k)
-        pc, ps, pz = pack(q, s, z, group)
-        tp = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        sz = torch.stack([s, (8 - z) * s], -1).transpose(0, 1).to(torch.bfloat16).contiguous()
-        fb = torch.ops.quantized.linear_prepack_fp16(w, None)
-        for m in rows:
-            x = torch.randn(m, k, generator=g)
-            ours = timed(lambda: linear(x, pc, ps, pz, group))
-            theirs = timed(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), tp, group, sz).float())
-            half = timed(lambda: torch.ops.quantized.linear_dynamic_fp16(x, fb))
-            print(f"{n:>5} x {k:<5} {m:>4} {ours:>15.0f} {theirs:>18.0f} {half:>12.0f}")
-
-
-if __name__ == "__main__":
-    _bench()

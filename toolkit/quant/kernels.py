@@ -21,7 +21,7 @@ Dtype rules, found by trying them (not documented by torch):
   "expected scalar type ...". Keep one copy per compute dtype; the wrappers cast if they differ (costs a pass).
 * On x86 only the **bfloat16** path is vectorized (AVX2 / AVX512 tinygemm kernels). float32 and float16 fall back to
   a scalar loop: on this AVX2 machine (2 threads) int8 is 1.8x and int4 3.7x slower than fp32 ``F.linear`` at M=1,
-  and 33x / 65x slower at M=128 (``python -m toolkit.bench.kernels``). The bf16 path needs no native bf16 math
+  and 33x / 65x slower at M=128 (``python -m benchmarks.kernels``). The bf16 path needs no native bf16 math
   (it widens to fp32 and uses FMA), so it is the fast one even here. The wrappers therefore take
   ``compute_dtype``: pass ``torch.bfloat16`` to run the fast path from float32 activations (cast in, cast out).
 * Measured here (geomean over SmolLM2 / Qwen2.5-0.5B layer shapes, weights streamed from DRAM): bf16 int4 is

@@ -53,7 +53,7 @@ forward(x [..., in]) with ``rows = x.numel() // in``:
 
 Thresholds, measured on AMD Zen 3 (AVX2, 2 threads, shared with other jobs) for a 1536x576 layer (SmolLM2's MLP
 shape), int4 group 64 and int8 per-channel, fp32 in/out with casts and dequantization included, median
-microseconds per call (`python -m toolkit.quant.qlinear` prints a similar table)::
+microseconds per call (`python benchmarks/qlinear_paths.py` prints a similar table)::
 
     rows                            4    16    32    48    64   128
     int4 kernel (bf16 act)        107   372   717  1050  1396  2768
@@ -83,7 +83,7 @@ Re-measured on the quiet machine (same command), the crossovers are where the th
 The loaded-machine thresholds (128 / 96) kept a 127-token prefill on the kernel: TTFT 404 ms against 269 ms for
 fp32 on SmolLM2.
 
-With the int8 x int8 path (`python -m toolkit.quant.qlinear`, ``OMP_NUM_THREADS=1``, best of 20: one thread is
+With the int8 x int8 path (`python benchmarks/qlinear_paths.py`, ``OMP_NUM_THREADS=1``, best of 20: one thread is
 disturbed least by the other jobs on this 2-core machine), int8 rows only::
 
     rows                                1     4    16    32    48    64   128   512  2048
@@ -109,10 +109,15 @@ import torch.nn.functional as F
 from toolkit import cpu
 from toolkit.passes import BF16_DEQUANT_MIN_ROWS, bf16_prompt_rows
 from toolkit.quant import half_native, int4_native, int8_dynamic, int8_native
+from toolkit.quant.code_layouts import (
+    INT4PACK_BLOCK_N,
+    decode_int4pack,
+    group_order,
+    int4_kernel_group,
+    unpack_rows,
+)
 from toolkit.quant.kernels import (
     FAST_DTYPE,
-    INT4_GROUP_SIZES,
-    INT4_N_MULTIPLE,
     INT8_BF16_K_MULTIPLE,
     int4_zeros_from_zero_point,
 )
@@ -123,11 +128,11 @@ KERNEL_MAX_ROWS = {"int4n8": 256 if cpu.has("avx512f") else 96, "int4pack": 48, 
 """Products with fewer rows than this run the low-bit kernel; from it on, dequantize + fp32 F.linear. From the
 medians in the module docstring: int4 at 128 rows 2768 (kernel) vs 2890 us, i.e. about even, so the fp32 path starts at
 128; int8 at 64 rows 1365 vs 1462 us and at 128 rows 2732 vs 2541 us, crossover ~96. int4n8 (specquant's int4 GEMM,
-~15 us a row for 1536x576 on AVX2, `python -m toolkit.quant.int4_native`) meets the dequant path's ~1.5 ms near 96
+~15 us a row for 1536x576 on AVX2, `python benchmarks/kernel_gemms.py int4`) meets the dequant path's ~1.5 ms near 96
 rows there; built for an AVX512 CPU it runs ~12.5 us a row, and the dequant path (one C pass,
 `int4_native.dequantize`, then fp32 F.linear) meets it between ~128 and ~512 rows depending on the bandwidth other
 jobs leave (2-core EPYC, SmolLM2 up_proj, best of 20 us, two runs: 128 rows 1537-2005 vs 1528-2643, 256 rows
-3058-3083 vs 2991-3630, 512 rows 6298-6321 vs 4802-6114; `python -m toolkit.quant.qlinear`), hence 256 there.
+3058-3083 vs 2991-3630, 512 rows 6298-6321 vs 4802-6114; `python benchmarks/qlinear_paths.py`), hence 256 there.
 int8pack layers on specquant's int8 GEMM keep it up to INT8_NATIVE_MAX_ROWS (set per layer). Far above the engine's
 UPCAST_MIN_ROWS=4 because dequantizing is a fixed per-call cost that a float-weight layer does not pay, so decode
 and verify batches always stay on the kernel. Under a bf16 prompt pass (`prefill_bf16`) the dequantize path
@@ -143,10 +148,9 @@ INT8_NATIVE_MAX_ROWS = 256 if cpu.has("avx512f") else INT8_DYNAMIC_MIN_ROWS
 """int8pack layers on specquant's int8 GEMM (exact: fp32 activations) run products of fewer rows than this there, and
 int8 x int8 from it on. ~16 us a row on AVX2, where int8 x int8 wins from ~64 rows; ~12.7 us a row built for an
 AVX512 CPU, where int8 x int8's fixed cost (~2.2 ms for 1536x576) is repaid only near 256 rows (2-core EPYC, best of
-20 us: 128 rows 1610 vs 2775, 256 rows 3267 vs 3401, 512 rows 6735 vs 4242; `python -m toolkit.quant.qlinear`)."""
+20 us: 128 rows 1610 vs 2775, 256 rows 3267 vs 3401, 512 rows 6735 vs 4242; `python benchmarks/qlinear_paths.py`)."""
 
 _DEQUANT_BLOCK_ELEMS = 1 << 22  # dequantize at most ~4M weights (16 MB fp32) at a time
-_INT4PACK_BLOCK_N = 32  # output rows per block of the CPU int4 packed layout (AVX2); verified at construction
 _ALIGN = 64  # the bf16 int8 kernel uses aligned loads (see kernels.py)
 
 
@@ -221,7 +225,7 @@ class QuantLinear(torch.nn.Module):
             qw.g_idx.long().cpu(), torch.arange(in_f) // gs)
         in_perm = None
         if not trivial_g_idx and device.type == "cpu":
-            in_perm = _group_order(qw.g_idx, gs)
+            in_perm = group_order(qw.g_idx, gs)
             if in_perm is not None:  # act-order: columns sorted by group, the inputs gathered to match per product
                 codes, trivial_g_idx = codes[:, in_perm.long()].contiguous(), True
 
@@ -233,7 +237,7 @@ class QuantLinear(torch.nn.Module):
             elif (config.bits == 4 and cls.native_kernels and int4_native.supports(out_f, in_f, gs)
                   and bool(((zero >= 0) & (zero <= 255)).all()) and int4_native.available()):
                 kernel = "int4n8"
-            elif config.bits == 4 and _int4_kernel_group(out_f, n_groups * gs, gs) is not None:
+            elif config.bits == 4 and int4_kernel_group(out_f, n_groups * gs, gs) is not None:
                 kernel = "int4pack"
         self = cls(in_f, out_f, config.bits, gs, kernel)
         if in_perm is not None:
@@ -263,7 +267,7 @@ class QuantLinear(torch.nn.Module):
             # the zeros appended to x, so any code will do (the kernel needs in % group == 0)
             self.kernel_in = n_groups * gs  # in_f, or in_f padded to whole groups (g_idx is trivial here)
             codes = F.pad(codes, (0, self.kernel_in - in_f))
-            kg = _int4_kernel_group(out_f, self.kernel_in, gs)
+            kg = int4_kernel_group(out_f, self.kernel_in, gs)
             self.kernel_group_size = kg
             rep = gs // kg  # per-channel weights: the kernel runs a smaller group with the scales repeated
             ks = scale.repeat_interleave(rep, dim=1)
@@ -273,7 +277,7 @@ class QuantLinear(torch.nn.Module):
             self.register_buffer("weight_int4pack", packed)
             self.register_buffer("scales_and_zeros", sz)  # [in/kg, out, 2] bf16
             self._register_exact_qparams(scale, zero, transposed=True)
-            if torch.equal(_decode_int4pack(packed, out_f, self.kernel_in, 0, out_f), codes.t()):
+            if torch.equal(decode_int4pack(packed, out_f, self.kernel_in, 0, out_f), codes.t()):
                 self._code_layout = "packed"  # the fp32 path reads the kernel's own bytes
             else:  # an unknown packed layout (e.g. AVX512's): keep a portable copy for the fp32 path
                 self._code_layout = "int4_rows"
@@ -369,12 +373,12 @@ class QuantLinear(torch.nn.Module):
         if self.kernel == "int4n8":  # whole 8-row blocks of its layout
             step = max(int4_native.BLOCK_N, step // int4_native.BLOCK_N * int4_native.BLOCK_N)
         if self.kernel == "int4pack":
-            step = max(_INT4PACK_BLOCK_N, step // _INT4PACK_BLOCK_N * _INT4PACK_BLOCK_N)
+            step = max(INT4PACK_BLOCK_N, step // INT4PACK_BLOCK_N * INT4PACK_BLOCK_N)
         if self.int8_native:  # whole tiles of the h16 order (`int8_rows`)
             tile = int8_native.N_MULTIPLE * half_native.TILE
             step = max(tile, step // tile * tile)
         bounds = list(range(0, n, step)) + [n]
-        if self.kernel == "int4pack" and len(bounds) > 2 and bounds[-1] - bounds[-2] < _INT4PACK_BLOCK_N:
+        if self.kernel == "int4pack" and len(bounds) > 2 and bounds[-1] - bounds[-2] < INT4PACK_BLOCK_N:
             del bounds[-2]  # the packed tail (< 32 rows) is decoded with the block before it
         return list(zip(bounds[:-1], bounds[1:]))
 
@@ -398,14 +402,14 @@ class QuantLinear(torch.nn.Module):
             kp = self.kernel_in  # in, or in padded to a whole last group
             wt = buf.view(kp, n)
             if self._code_layout == "packed":
-                _decode_int4pack(self.weight_int4pack, self.out_features, kp, n0, n1, out=wt)
+                decode_int4pack(self.weight_int4pack, self.out_features, kp, n0, n1, out=wt)
             else:
-                wt.copy_(_unpack_rows(self.codes[n0:n1], "int4_rows", kp).t())
+                wt.copy_(unpack_rows(self.codes[n0:n1], "int4_rows", kp).t())
             g = wt.view(kp // gs, gs, n)
             g.sub_(self.zero[:, n0:n1].float()[:, None]).mul_(self.scale[:, None, n0:n1])
             w = wt[:k].t()
         else:
-            w = _unpack_rows(self.codes[n0:n1], self._code_layout, k, out=buf.view(n, k))
+            w = unpack_rows(self.codes[n0:n1], self._code_layout, k, out=buf.view(n, k))
             if hasattr(self, "g_idx"):  # act-order, or a ragged last group: each column's group
                 gi = self.g_idx.long()
                 w.sub_(self.zero[n0:n1].float()[:, gi]).mul_(self.scale[n0:n1][:, gi])
@@ -453,16 +457,6 @@ class QuantLinear(torch.nn.Module):
         return s + f", bias={self.bias is not None}"
 
 
-def _group_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
-    """The input channels sorted by group (int32 [in], stable), where that makes the groups ``j // group_size``
-    (every group ``group_size`` channels, the last one the rest: act-order GPTQ's g_idx); else None."""
-    g = g_idx.long().cpu()
-    order = torch.argsort(g, stable=True)
-    if not torch.equal(g[order], torch.arange(g.numel()) // group_size):
-        return None
-    return order.to(torch.int32)
-
-
 def int4_kernel() -> str:
     """The kernel 4-bit layers whose shape both kernels take get here: "int4n8" (specquant's own) or "int4pack"."""
     return "int4n8" if QuantLinear.native_kernels and int4_native.available() else "int4pack"
@@ -494,62 +488,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-# ------------------------------------------------------------------------------------------------ helpers
-
-
-def _int4_kernel_group(out_f: int, in_f: int, gs: int) -> int | None:
-    """The group size the int4 kernel can run this weight with, or None. A per-channel weight (gs == in) runs
-    as the largest kernel group dividing it, its scales repeated; otherwise the weight's own group must be one."""
-    if out_f % INT4_N_MULTIPLE or in_f % 2 or in_f == 0:
-        return None
-    if gs in INT4_GROUP_SIZES and in_f % gs == 0:
-        return gs
-    if gs == in_f:
-        fits = [g for g in INT4_GROUP_SIZES if in_f % g == 0]
-        return fits[-1] if fits else None
-    return None
-
-
-def _decode_int4pack(packed: torch.Tensor, n: int, k: int, n0: int, n1: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Codes of output rows n0:n1 as W.T [k, n1-n0] from ``_convert_weight_to_int4pack_for_cpu``'s AVX2 layout:
-    blocks of 32 rows, each ``[k, 16]`` bytes with byte ``i`` = row ``i`` (low nibble) | row ``16+i`` (high); a tail
-    of t < 32 rows is ``[k, t/2]`` bytes with byte ``i`` = row ``2i`` | row ``2i+1``. n0 must be a multiple of 32
-    and n1 one too or n. Found by packing probes; `QuantLinear.from_quantized` verifies it against the codes.
-    Written into `out` (any dtype, contiguous [k, n1-n0]) if given, else into a new uint8 tensor."""
-    b, half = _INT4PACK_BLOCK_N, _INT4PACK_BLOCK_N // 2
-    flat = packed.reshape(-1)
-    if out is None:
-        out = torch.empty(k, n1 - n0, dtype=torch.uint8, device=packed.device)
-    full_end = min(n1, n // b * b)
-    nb = (full_end - n0) // b if full_end > n0 else 0
-    if nb:
-        p = flat[n0 * k // 2:(n0 + nb * b) * k // 2].view(nb, k, half).transpose(0, 1)  # [k, nb, 16]
-        o = out[:, :nb * b].view(k, nb, 2, half)
-        o[:, :, 0].copy_(p & 0x0F)
-        o[:, :, 1].copy_(p >> 4)
-    t0 = n0 + nb * b
-    if n1 > t0:  # the tail block (fewer than 32 rows, even: n % 16 == 0)
-        t = n1 - t0
-        p = flat[t0 * k // 2:].view(k, t // 2)
-        o = out[:, nb * b:].unflatten(1, (t // 2, 2))
-        o[..., 0].copy_(p & 0x0F)
-        o[..., 1].copy_(p >> 4)
-    return out
-
-
-def _unpack_rows(stored: torch.Tensor, layout: str, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Codes [rows, k] from the dequant path's storage, written into `out` (any dtype) if given, else uint8."""
-    if out is None:
-        out = torch.empty(stored.shape[0], k, dtype=torch.uint8, device=stored.device)
-    if layout == "uint8":
-        return out.copy_(stored)
-    per = 2 if layout == "int4_rows" else 4
-    bits, mask = 8 // per, (1 << (8 // per)) - 1
-    o = out.view(stored.shape[0], k // per, per)
-    for i in range(per):
-        o[..., i].copy_((stored >> (bits * i)) & mask if i < per - 1 else stored >> (bits * i))
-    return out
+# ------------------------------------------------------------------------------- the dequant path's scratch buffer
 
 
 _SCRATCH = threading.local()
@@ -568,53 +507,3 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
         with torch.inference_mode(False):
             buf = bufs[key] = torch.empty(numel, dtype=torch.float32, device=device)
     return buf[:numel]
-
-
-def _bench(n: int = 1536, k: int = 576, rows=(1, 4, 8, 16, 32, 48, 64, 128, 256, 512, 1024, 2048),
-           reps: int = 20) -> None:
-    """Print the table in the module docstring for an n x k layer on this machine: microseconds per call, the best
-    of `reps` (on a shared machine the best is the least disturbed; the median drifts with other jobs)."""
-    import time
-
-    from toolkit.quant.primitives import QuantConfig, choose_qparams, quantize
-
-    def timed(f):
-        f()
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f()
-            best = min(best, time.perf_counter() - t0)
-        return best * 1e6
-
-    w = torch.randn(n, k)
-    table = {}
-    for bits, gs in ((4, 64), (8, -1)):
-        config = QuantConfig(bits=bits, group_size=gs)
-        scale, zero = choose_qparams(w, config)
-        layer = QuantLinear.from_quantized(QuantizedWeight(quantize(w, scale, zero, config), scale, zero, config))
-        z = torch.zeros(n, dtype=torch.int32)
-        for m in rows:
-            x = torch.randn(m, k)
-            act = "fp32" if layer._native else "bf16"
-            table.setdefault(f"int{bits} {layer.kernel} kernel ({act} act)", []).append(
-                timed(lambda: layer._kernel(x).float()))
-            table.setdefault(f"int{bits} dequant + fp32 F.linear", []).append(
-                timed(lambda: F.linear(x, layer._weight_block(0, n, torch.float32))))
-            if bits == 4:  # a bf16 prompt pass's path (prefill_bf16)
-                table.setdefault("int4 dequant + bf16 F.linear", []).append(timed(
-                    lambda: F.linear(x.to(torch.bfloat16), layer._weight_block(0, n, torch.bfloat16)).float()))
-            if layer.kernel == "int8pack" and int8_dynamic.available():
-                table.setdefault("int8 x int8 (7-bit act, 16 outl.)", []).append(timed(
-                    lambda: int8_dynamic.linear(x, layer.int8_rows(), layer.scale, z,
-                                                int8_dynamic.outlier_channels(k))))
-            if bits == 8:
-                table.setdefault("fp32 F.linear, float weight", []).append(timed(lambda: F.linear(x, w)))
-    print(f"{n}x{k} layer, {torch.get_num_threads()} threads, best of {reps}, microseconds")
-    print(f"{'rows':34s}" + "".join(f"{m:>7d}" for m in rows))
-    for label, values in table.items():
-        print(f"{label:34s}" + "".join(f"{v:7.0f}" for v in values))
-
-
-if __name__ == "__main__":
-    _bench()

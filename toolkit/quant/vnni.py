@@ -1,12 +1,16 @@
-"""Low-bit weights x int8 activations by AVX512-VNNI (toolkit/quant/c/vnni_gemm.c): a draft's products.
+"""Low-bit weights x int8 activations on integer dot products (toolkit/kernels/vnni_gemm.c): a draft's products, and
+an int4 target's at `engine.native_dot=int8`.
 
 Why: a drafted token only has to be likely, not exact (the target verifies it), and a small model's int4 decode step
 on these cores is bound by the fp32 kernel's arithmetic (`toolkit.quant.int4_native`: per weight an unpack, a
 conversion and an FMA), not by the bytes it reads. Quantizing each row's activations to int8 per weight group
 (llama.cpp's q8 activations) turns 64 multiply-adds into one vpdpbusd, and the kernel runs near the cost of reading
 its weights. Its output is not the dequantized weight's fp32 product (the activations are rounded to 8 bits), so
-it serves drafts only (`spec.act_bits=8`: the self-draft's int4 decoder stack, "w4a8", and a quantized draft head,
-int4 or int8, "w8a8"), never a target. `python -m toolkit.quant.vnni` times it beside the fp32 kernel.
+it serves drafts (`spec.act_bits=8`: the self-draft's int4 decoder stack, "w4a8", and a quantized draft head, int4 or
+int8, "w8a8") and, by the user's choice, an int4 target (`engine.native_dot=int8`, docs/engine.md), never a default.
+4-bit codes run on AVX512-VNNI (vpdpbusd) or AVX2 (vpmaddubsw + vpmaddwd, the same exact integer sums: the same bits);
+8-bit codes need VNNI (AVX2's 16-bit pair sums would saturate): `available(bits=8)`. `python benchmarks/kernel_gemms.py vnni` times it beside the fp32
+kernel.
 
 Packed layout "v16" (made by `pack`, or by `from_n8` from the fp32 kernel's n8 packs). Output channels in blocks of
 16, blocks in tiles of 4 (the last tile may hold fewer, nt); each tile's bytes in the order the kernel reads them,
@@ -34,7 +38,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -44,22 +47,13 @@ from toolkit.quant import int4_native
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "c" / "vnni_gemm.c"
 FLAGS = int4_native.FLAGS
 BLOCK_N = 16  # output channels per block of the v16 layout
 BLOCK_K = 8  # input columns per 64-byte load of 4-bit codes (4 for 8-bit codes)
 BITS = (4, 8)
 TILE = 4  # blocks a kernel tile reads together (stored together)
-
-
-def load(flags: tuple[str, ...] = tuple(FLAGS)):
-    """Build (once per source, flags and CPU) and load the library; None where it cannot be built or the CPU lacks
-    AVX512-VNNI (the function then returns 2: callers keep the fp32 kernel)."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    signature = [p, i64, i64, p, p, p, p, i64, i64, p]
-    return cbuild.load_kernel(SOURCE, "vnni-gemm", list(flags), "low-bit x int8 VNNI kernel",
-                              "drafts keep fp32 activations", log,
-                              {"sq_w4a8_linear": signature, "sq_w8a8_linear": signature}, _self_test)
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURE = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P]
 
 
 def _self_test(lib) -> str | None:
@@ -67,17 +61,35 @@ def _self_test(lib) -> str | None:
     codes, scale, zero = pack(torch.ones(16, 16, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 16)
     rc = lib.sq_w4a8_linear(x.data_ptr(), 1, 16, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), None, 16,
                             16, y.data_ptr())
-    return cbuild.self_test_verdict(rc, torch.allclose(y, torch.full((1, 16), 16.0)), "AVX512-VNNI")
+    return cbuild.self_test_verdict(rc, torch.allclose(y, torch.full((1, 16), 16.0)), "AVX2")
+
+
+# `kernel()`: the library (functions ``sq_w4a8_linear``, ``sq_w8a8_linear``), or None where it cannot be built or the
+# CPU lacks AVX2 (the functions then return 2): callers keep the fp32 kernel
+KERNEL = cbuild.Kernel("vnni_gemm.c", "vnni-gemm", FLAGS, "low-bit x int8 kernel", "products keep fp32 activations",
+                       log, {"sq_w4a8_linear": _SIGNATURE, "sq_w8a8_linear": _SIGNATURE}, _self_test)
+load, kernel = KERNEL.load, KERNEL.library
+
+
+def available(bits: int = 4) -> bool:
+    """Whether `bits`-bit codes run here: 4 where the kernel built (AVX2 or better), 8 only with AVX512-VNNI."""
+    if not KERNEL.available():
+        return False
+    return bits == 4 or w8a8_runs()
 
 
 @lru_cache(maxsize=1)
-def kernel():
-    """The loaded library (function ``sq_w4a8_linear``), or None: see `load`."""
-    return load()
+def w8a8_runs() -> bool:
+    """Whether the built kernel takes 8-bit codes (its VNNI build) rather than answering 2 (its AVX2 build)."""
+    x, y = torch.ones(1, 16), torch.empty(1, 16)
+    codes, scale, zero = pack(torch.ones(16, 16, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 16, bits=8)
+    return kernel().sq_w8a8_linear(x.data_ptr(), 1, 16, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), None,
+                                   16, 16, y.data_ptr()) == 0
 
 
-def available() -> bool:
-    return kernel() is not None
+def isa_name() -> str:
+    """How the kernel's integer dot products run here, for the `kernels` record."""
+    return "VNNI" if w8a8_runs() else "AVX2 maddubs"
 
 
 def supports(out_features: int, in_features: int, group_size: int) -> bool:
@@ -102,9 +114,7 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_siz
     if not supports(n, k, group_size):
         raise ValueError(f"the v16 layout needs out % 16 == 0, in % 8 == 0 and group % 8 == 0; got [{n}, {k}], "
                          f"group {group_size}")
-    n_groups = -(-k // group_size)
-    if tuple(scale.shape) != (n, n_groups) or tuple(zero.shape) != (n, n_groups):
-        raise ValueError(f"scale and zero must be [{n}, {n_groups}], got {tuple(scale.shape)}, {tuple(zero.shape)}")
+    n_groups = int4_native.group_count(n, k, group_size, scale, zero)
     if bits == 4:
         c = codes.to(torch.uint8).reshape(n // BLOCK_N, BLOCK_N, k // cols, 2, 4)
         c = c[..., 0, :] | (c[..., 1, :] << 4)
@@ -246,35 +256,3 @@ class VnniLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, w{self.bits}a8 "
                 f"g{self.group_size}")
-
-
-def _bench(shapes=((960, 576), (3072, 576), (576, 1536), (49152, 576)), rows=(1, 5, 9), group: int = 64,
-           reps: int = 200) -> None:
-    """Median microseconds per call, one after another on the same weights (in cache): the fp32 int4 kernel (n8
-    layout), this kernel at 4 and 8 bits, and fbgemm's fp16 GEMM (the engine's float path)."""
-    from toolkit.timing import median_call_us
-
-    if not (available() and int4_native.available()):
-        raise SystemExit("the low-bit x int8 kernel (AVX512-VNNI) or the fp32 int4 kernel is not available here")
-    g = torch.Generator().manual_seed(0)
-    print(f"group {group}, {torch.get_num_threads()} threads; median us per call")
-    print(f"{'out x in':>12} {'rows':>4} {'fp32 int4 (n8)':>15} {'w4a8':>6} {'w8a8':>6} {'fbgemm fp16':>12}")
-    for n, k in shapes:
-        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        q8 = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
-        s = torch.rand(n, k // group, generator=g) * 0.01 + 1e-3
-        z = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
-        n8 = int4_native.pack(q, s, z, group)
-        v4, v8 = pack(q, s, z, group), pack(q8, s, z, group, bits=8)
-        fb = torch.ops.quantized.linear_prepack_fp16(torch.randn(n, k, generator=g) * 0.02, None)
-        for m in rows:
-            x = torch.randn(m, k, generator=g)
-            fp32 = median_call_us(lambda: int4_native.linear(x, *n8, group), reps)
-            w4 = median_call_us(lambda: linear(x, *v4, group), reps)
-            w8 = median_call_us(lambda: linear(x, *v8, group, bits=8), reps)
-            half = median_call_us(lambda: torch.ops.quantized.linear_dynamic_fp16(x, fb), reps)
-            print(f"{n:>5} x {k:<5} {m:>4} {fp32:>15.0f} {w4:>6.0f} {w8:>6.0f} {half:>12.0f}")
-
-
-if __name__ == "__main__":
-    _bench()

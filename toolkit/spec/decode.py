@@ -26,6 +26,7 @@ from toolkit.engine.generate import (
     encode_prompts,
     finish_sequences,
     stop_token_ids,
+    take_token,
     validate_request,
 )
 from toolkit.engine.precision import bf16_prefill
@@ -148,19 +149,9 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
         """Append `tokens` to row `row` up to a stop or the budget; returns how many were taken."""
         taken = 0
         for token in tokens:
-            if finish[row]:
+            if not take_token(row, token, generated, finish, stop_tokens, detok, on_token):
                 break
-            if token in stop_tokens:
-                finish[row] = "stop"
-                break
-            generated[row].append(token)
             taken += 1
-            if detok is not None:
-                delta = detok[row].push(generated[row])
-                if on_token:
-                    on_token(row, token, delta)
-                if detok[row].stopped:
-                    finish[row] = "stop"
             if len(generated[row]) >= new_tokens:
                 finish[row] = finish[row] or "length"
         return taken

@@ -54,7 +54,7 @@ def quantize_draft_head(model, bits: int, group_size: int, act_bits: int | None 
     if act_bits == 8 and weight.device.type == "cpu":
         from toolkit.quant import vnni
 
-        if vnni.available() and vnni.supports(weight.shape[0], in_features, group_size):
+        if vnni.available(bits) and vnni.supports(weight.shape[0], in_features, group_size):
             head = vnni.VnniLinear.from_quantized(qw, act_group=group_size)
     if head is None:
         head = QuantLinear.from_quantized(qw, weight.device)

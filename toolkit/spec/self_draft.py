@@ -19,8 +19,8 @@ import copy
 import torch
 from torch import nn
 
+from toolkit.engine.fused_packs import strip_fused
 from toolkit.engine.lean_forward import rebind as rebind_lean_forward
-from toolkit.engine.lean_forward import strip_fused
 from toolkit.errors import InputError
 
 

@@ -1,6 +1,6 @@
 """Low-bit CPU matmul kernels against float linear, per weight shape, interleaved in one run.
 
-    python -m toolkit.bench.kernels [--rows 1 4 128] [--repeats 7] [--group-size 64] [--out kernels.json]
+    python -m benchmarks.kernels [--rows 1 4 128] [--repeats 7] [--group-size 64] [--out kernels.json]
 
 Every variant takes float32 activations and returns float32 (our engine's activations), so casts are part of the
 cost, as they would be in a layer: fp32 ``F.linear``; fp16-weight gemv (``F.linear(x.half(), w16).float()``, the
@@ -198,7 +198,7 @@ def print_tables(results: dict, summary: dict, variants: list[Variant], rows: li
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.bench.kernels", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 128], help="activation rows M")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds per (shape, M)")

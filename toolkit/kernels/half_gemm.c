@@ -16,14 +16,14 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "tiles.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#define HALF_INLINE static inline __attribute__((always_inline))
-
 /* tile t: its NB blocks of 16 outputs x R rows; constant loop bounds after inlining */
-HALF_INLINE void htile(const float *x, int64_t K, const uint16_t *w, const float *bias, float *y, int64_t N,
-                       int64_t t, const int NB, const int R) {
+SQ_INLINE void htile(const float *x, int64_t K, const uint16_t *w, const float *bias, float *y, int64_t N,
+                     int64_t t, const int NB, const int R) {
     const uint16_t *wt = w + t * 4 * 16 * K;
     const int64_t b0 = 4 * t;
     __m512 acc[6][4];
@@ -45,46 +45,23 @@ HALF_INLINE void htile(const float *x, int64_t K, const uint16_t *w, const float
 #define HTILE(NB, R) htile(x + m * K, K, w, bias, y + m * N, N, i, NB, R)
 /* up to 6 rows per pass over a tile: a pass costs about the same with 1 row as with 6 (each weight is loaded and
  * widened once per pass), so a verify pass of 5 rows reads its weights once, not twice */
-#define HROWS(NB)                                                \
-    do {                                                         \
-        int64_t m = 0;                                           \
-        for (; m + 6 <= M; m += 6) HTILE(NB, 6);                 \
-        switch (M - m) {                                         \
-            case 5: HTILE(NB, 5); break;                         \
-            case 4: HTILE(NB, 4); break;                         \
-            case 3: HTILE(NB, 3); break;                         \
-            case 2: HTILE(NB, 2); break;                         \
-            case 1: HTILE(NB, 1); break;                         \
-            default: break;                                      \
-        }                                                        \
-    } while (0)
+#define HROWS(NB) SQ_ROW_PASSES(M, 6, HTILE, NB)
 
 int sq_f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y) {
     if (N % 16 || K <= 0 || M < 0) return 1;
-    const int64_t nblk = N / 16, ntile = (nblk + 3) / 4;
-#pragma omp parallel for schedule(static) if (ntile > 1 && M * N * K > 32768)
-    for (int64_t i = 0; i < ntile; i++) {
-        const int64_t nb = nblk - 4 * i < 4 ? nblk - 4 * i : 4;
-        switch (nb) {
-            case 4: HROWS(4); break;
-            case 3: HROWS(3); break;
-            case 2: HROWS(2); break;
-            default: HROWS(1); break;
-        }
-    }
+    const int64_t nblk = N / 16;
+    SQ_TILES_OF_4(nblk, M * N * K, HROWS);
     return 0;
 }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 
-#define HALF_INLINE static inline __attribute__((always_inline))
-
 /* AVX2 + F16C: a block of 16 outputs is two 8-lane registers, 16 registers in all. One row takes a whole tile (8
  * accumulators); several rows take the tile two blocks at a time, up to 3 rows a pass (12 accumulators, 3
  * broadcasts, 1 weight). Each output's sum is the same chain as the AVX512 build's -- bias (or 0), then one FMA per
  * input column in order -- so the two builds agree bit for bit and rows stay independent. */
-HALF_INLINE void htile2(const float *x, int64_t K, const uint16_t *w, const float *bias, float *y, int64_t N,
-                        int64_t t, int64_t nb, int64_t j0, const int NJ, const int R) {
+SQ_INLINE void htile2(const float *x, int64_t K, const uint16_t *w, const float *bias, float *y, int64_t N,
+                      int64_t t, int64_t nb, int64_t j0, const int NJ, const int R) {
     const uint16_t *wt = w + t * 4 * 16 * K + j0 * 16;
     const int64_t c0 = (4 * t + j0) * 16;
     __m256 acc[3][8];
@@ -104,21 +81,16 @@ HALF_INLINE void htile2(const float *x, int64_t K, const uint16_t *w, const floa
 }
 
 #define HTILE2(NJ, R) htile2(x + m * K, K, w, bias, y + m * N, N, i, nb, j0, NJ, R)
+#define HTILE2_ROW(NB) HTILE2(NB, 1)
 
 int sq_f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y) {
     if (N % 16 || K <= 0 || M < 0) return 1;
     const int64_t nblk = N / 16, ntile = (nblk + 3) / 4;
-#pragma omp parallel for schedule(static) if (ntile > 1 && M * N * K > 32768)
-    for (int64_t i = 0; i < ntile; i++) {
-        const int64_t nb = nblk - 4 * i < 4 ? nblk - 4 * i : 4;
+    SQ_FOR_EACH_TILE(i, ntile, M * N * K) {
+        const int64_t nb = SQ_TILE_BLOCKS(nblk, i, 4);
         int64_t m = 0, j0 = 0;
         if (M == 1) {
-            switch (nb) {
-                case 4: HTILE2(4, 1); break;
-                case 3: HTILE2(3, 1); break;
-                case 2: HTILE2(2, 1); break;
-                default: HTILE2(1, 1); break;
-            }
+            SQ_BY_BLOCKS(nb, HTILE2_ROW)
             continue;
         }
         for (j0 = 0; j0 < nb; j0 += 2) {

@@ -1,7 +1,7 @@
 """The quantized KV cache measured: memory, long-context quality, decode latency, side by side in one run.
 
-    python -m toolkit.bench.kv [--parts memory quality itl] [--group 128] [--residual 32] [--windows 2]
-                               [--chunk 128] [--contexts 2048 8128] [--steps 16] [--baselines] [--out FILE]
+    python -m benchmarks.kv [--parts memory quality itl] [--group 128] [--residual 32] [--windows 2]
+                            [--chunk 128] [--contexts 2048 8128] [--steps 16] [--baselines] [--out FILE]
 
 memory   bytes of the cache at 2048 and 8192 tokens for SmolLM2's shape (30 layers, 3 KV heads, head dim 64), batch 1,
          residual in bf16, as a ratio to a bf16 cache: the formula (toolkit.kv.memory) and the real bytes of one layer

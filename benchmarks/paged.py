@@ -1,8 +1,8 @@
 """The paged KV cache measured against the contiguous one: capacity, prefix caching, decode ITL, in one run.
 
-    python -m toolkit.bench.paged [--parts capacity prefix itl] [--budget-mb 256] [--block-size 16]
-                                  [--system-tokens 1024] [--turns 4] [--itl-batch 8] [--itl-runs 2]
-                                  [--model smollm2-135m] [--threads N] [--out FILE] [--store PATH|none]
+    python -m benchmarks.paged [--parts capacity prefix itl] [--budget-mb 256] [--block-size 16]
+                               [--system-tokens 1024] [--turns 4] [--itl-batch 8] [--itl-runs 2]
+                               [--model smollm2-135m] [--threads N] [--out FILE] [--store PATH|none]
 
 capacity  How many concurrent sequences of mixed lengths a fixed KV budget holds. One seeded stream of requests:
           prompt lengths uniform in [--prompt-min, --prompt-max], output lengths uniform in [--output-min,
@@ -168,7 +168,7 @@ def capacity(model, budget_mb: float, block_size: int, prompt_range, output_rang
                        for stage in paged for name, n in baseline.items()},
             "protocol": {"requests": count, "seed": seed, "prompt_tokens": list(prompt_range),
                          "output_tokens": list(output_range), "max_tokens": output_range[1],
-                         "max_seq_len": max_seq_len, "text": "see toolkit/bench/paged.py: capacity"}}
+                         "max_seq_len": max_seq_len, "text": "see benchmarks/paged.py: capacity"}}
 
 
 # --- 2. prefix caching ------------------------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def prefix_ttft(model, tokenizer, system_tokens: int, turns: int, turn_tokens: i
             "prefix_hit_rate": stats.hit_rate, "cow_copies": stats.cow_copies, "evictions": stats.evictions,
             "protocol": {"system_tokens": len(system), "turn_tokens": [len(u) for u in user[1:]], "turns": turns,
                          "new_tokens": new_tokens, "block_size": block_size, "seed": seed,
-                         "text": "see toolkit/bench/paged.py: prefix"}}
+                         "text": "see benchmarks/paged.py: prefix"}}
 
 
 # --- 3. decode ITL ----------------------------------------------------------------------------------------------------
@@ -326,7 +326,7 @@ def decode_itl(model, tokenizer, batch: int, length_range: tuple[int, int], new_
             "identical_outputs": all(same), "identical_rows": f"{sum(rows_same)}/{len(rows_same)}",
             "protocol": {"batch": batch, "prompt_tokens": [len(p) for p in prompts], "new_tokens": new_tokens,
                          "runs": runs, "steps_per_run": new_tokens - 1, "block_size": block_size, "seed": seed,
-                         "text": "see toolkit/bench/paged.py: itl"}}
+                         "text": "see benchmarks/paged.py: itl"}}
 
 
 # --- the run ----------------------------------------------------------------------------------------------------------
@@ -443,23 +443,31 @@ def print_capacity(c: dict) -> None:
 
 def print_prefix(p: dict) -> None:
     pr = p["protocol"]
-    print(f"prefix: {pr['system_tokens']}-token system prompt + turns of {min(pr['turn_tokens'])}-"
-          f"{max(pr['turn_tokens'])} tokens, {pr['turns']} turns per path, {pr['new_tokens']} new tokens greedy")
+    print(f"prefix: {pr['system_tokens']}-token system prompt + turns of {_span(pr['turn_tokens'])} tokens, "
+          f"{pr['turns']} turns per path, {pr['new_tokens']} new tokens greedy")
     print(f"  TTFT p50 with reuse {p['ttft_ms_p50']['reuse']:.1f} ms, without {p['ttft_ms_p50']['no_reuse']:.1f} ms "
           f"(cold first turn {p['cold_ttft_ms']:.1f} ms); cached tokens per turn {p['cached_tokens']}")
-    print(f"  => TTFT {p['speedup']:.2f}x lower with prefix caching (goal >= 5x); identical outputs "
-          f"{p['identical_outputs']} ({p['identical_turns']}), identical to engine {p['identical_to_engine']}",
-          flush=True)
+    print(_verdict(f"TTFT {p['speedup']:.2f}x lower with prefix caching", ">= 5x", p["identical_outputs"],
+                   p["identical_turns"]) + f", identical to engine {p['identical_to_engine']}", flush=True)
 
 
 def print_itl(r: dict) -> None:
-    pr = r["protocol"]
-    print(f"itl: batch {pr['batch']}, prompts {min(pr['prompt_tokens'])}-{max(pr['prompt_tokens'])} tokens, "
-          f"{pr['new_tokens']} new tokens, {pr['runs']} runs (steps interleaved)")
-    print(f"  median ITL contiguous {r['itl_ms_p50']['contiguous']:.2f} ms, paged {r['itl_ms_p50']['paged']:.2f} ms "
-          f"(per run: {', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(*r['itl_ms_p50_per_run'].values()))})")
-    print(f"  => paged / contiguous ITL {r['ratio']:.3f} (goal <= 1.10); identical outputs {r['identical_outputs']} "
-          f"(rows {r['identical_rows']})", flush=True)
+    pr, p50 = r["protocol"], r["itl_ms_p50"]
+    per_run = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(*r["itl_ms_p50_per_run"].values()))  # contiguous/paged
+    print(f"itl: batch {pr['batch']}, prompts {_span(pr['prompt_tokens'])} tokens, {pr['new_tokens']} new tokens, "
+          f"{pr['runs']} runs (steps interleaved)")
+    print(f"  median ITL contiguous {p50['contiguous']:.2f} ms, paged {p50['paged']:.2f} ms (per run: {per_run})")
+    print(_verdict(f"paged / contiguous ITL {r['ratio']:.3f}", "<= 1.10", r["identical_outputs"],
+                   f"rows {r['identical_rows']}"), flush=True)
+
+
+def _span(values) -> str:
+    return f"{min(values)}-{max(values)}"
+
+
+def _verdict(measured: str, goal: str, identical: bool, which: str) -> str:
+    """A part's last line: its figure against the goal, and whether both paths generated the same tokens."""
+    return f"  => {measured} (goal {goal}); identical outputs {identical} ({which})"
 
 
 def _ratio(x) -> str:

@@ -27,14 +27,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "tiles.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-#define B16_INLINE static inline __attribute__((always_inline))
-
 /* tile t: its NB blocks of 16 outputs x R rows; xp holds each row's bf16 activations in pairs (one uint32 per pair) */
-B16_INLINE void btile(const uint32_t *xp, int64_t K2, const uint16_t *w, const float *bias, float *y, int64_t N,
-                      int64_t t, const int NB, const int R) {
+SQ_INLINE void btile(const uint32_t *xp, int64_t K2, const uint16_t *w, const float *bias, float *y, int64_t N,
+                     int64_t t, const int NB, const int R) {
     const uint16_t *wt = w + t * 4 * 32 * K2;
     const int64_t b0 = 4 * t;
     __m512 acc[6][4];
@@ -55,19 +55,7 @@ B16_INLINE void btile(const uint32_t *xp, int64_t K2, const uint16_t *w, const f
 
 #define BTILE(NB, R) btile(xp + m * K2, K2, w, bias, y + m * N, N, i, NB, R)
 /* up to 6 rows per pass over a tile, as half_gemm.c */
-#define BROWS(NB)                                                \
-    do {                                                         \
-        int64_t m = 0;                                           \
-        for (; m + 6 <= M; m += 6) BTILE(NB, 6);                 \
-        switch (M - m) {                                         \
-            case 5: BTILE(NB, 5); break;                         \
-            case 4: BTILE(NB, 4); break;                         \
-            case 3: BTILE(NB, 3); break;                         \
-            case 2: BTILE(NB, 2); break;                         \
-            case 1: BTILE(NB, 1); break;                         \
-            default: break;                                      \
-        }                                                        \
-    } while (0)
+#define BROWS(NB) SQ_ROW_PASSES(M, 6, BTILE, NB)
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -82,7 +70,7 @@ typedef struct { /* ldtilecfg's 64-byte operand, palette 1 */
 } __attribute__((packed)) b16_tilecfg;
 
 /* tiles 0-3: the sums of up to 4 blocks (R rows x 16 fp32); 4: activations (R rows x 32 bf16); 5, 6: weights */
-B16_INLINE void amx_config(int R) {
+SQ_INLINE void amx_config(int R) {
     b16_tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
@@ -138,7 +126,7 @@ int sq_b16_amx(int want) {
 
 int sq_b16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y) {
     if (N % 16 || K % 32 || K <= 0 || M < 0) return 1;
-    const int64_t K2 = K / 2, nblk = N / 16, ntile = (nblk + 3) / 4;
+    const int64_t K2 = K / 2, nblk = N / 16;
     uint32_t local[8192]; /* a decode step's or verify pass's rows: no allocation */
     uint32_t *xp = M * K2 <= 8192 ? local : malloc(sizeof(uint32_t) * (size_t)(M * K2));
     if (!xp) return 3;
@@ -149,11 +137,12 @@ int sq_b16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, const
                                                              _mm512_loadu_ps(x + m * K + k)));
 #ifdef B16_HAVE_AMX
     if (b16_amx_on) {
+        const int64_t ntile = (nblk + 3) / 4;
 #pragma omp parallel if (ntile > 1 && M * N * K > 32768)
         {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < ntile; i++) {
-                const int nb = (int)(nblk - 4 * i < 4 ? nblk - 4 * i : 4);
+                const int nb = (int)SQ_TILE_BLOCKS(nblk, i, 4);
                 for (int64_t m = 0; m < M; m += 16) amx_tile(xp, K2, w, bias, y, N, i, nb, m, M - m < 16 ? (int)(M - m) : 16);
             }
             _tile_release();
@@ -162,16 +151,7 @@ int sq_b16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, const
         return 0;
     }
 #endif
-#pragma omp parallel for schedule(static) if (ntile > 1 && M * N * K > 32768)
-    for (int64_t i = 0; i < ntile; i++) {
-        const int64_t nb = nblk - 4 * i < 4 ? nblk - 4 * i : 4;
-        switch (nb) {
-            case 4: BROWS(4); break;
-            case 3: BROWS(3); break;
-            case 2: BROWS(2); break;
-            default: BROWS(1); break;
-        }
-    }
+    SQ_TILES_OF_4(nblk, M * N * K, BROWS);
     if (xp != local) free(xp);
     return 0;
 }

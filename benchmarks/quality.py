@@ -1,7 +1,7 @@
 """A quick quality check of quantized checkpoints against their float source, until the evaluation suite lands:
 perplexity, KL(fp32 || quantized) and top-1 agreement on windows of held-out text (pydoc's evaluation split).
 
-    python -m toolkit.bench.quality CHECKPOINT [CHECKPOINT ...] [--windows 4] [--window-tokens 512] [--exact-prefill]
+    python -m benchmarks.quality CHECKPOINT [CHECKPOINT ...] [--windows 4] [--window-tokens 512] [--exact-prefill]
 
 --exact-prefill scores int8 per-channel checkpoints through the exact product (dequantize + fp32) instead of the
 default int8 x int8 prefill with activations quantized per call (docs/notes/2026-12-runtime-kernels-native-decoder.md, "int8 prefill"): the weights' own error,

@@ -18,15 +18,15 @@
  * Constraints (returned as nonzero): N % 16 == 0. Without AVX2 the function returns 2.
  */
 #include <stdint.h>
+
+#include "tiles.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 
-#define I8_INLINE static inline __attribute__((always_inline))
-
 #if defined(__AVX512F__)
 /* tile t: its NB blocks of 16 outputs x R rows; constant loop bounds after inlining */
-I8_INLINE void i8_tile(const float *x, int64_t K, const int8_t *w, const float *scale, const float *bias, float *y,
-                       int64_t N, int64_t t, const int NB, const int R) {
+SQ_INLINE void i8_tile(const float *x, int64_t K, const int8_t *w, const float *scale, const float *bias, float *y,
+                      int64_t N, int64_t t, const int NB, const int R) {
     const int8_t *wt = w + t * 4 * 16 * K;
     const int64_t c0 = 4 * t * 16;
     __m512 acc[6][4];
@@ -51,8 +51,8 @@ I8_INLINE void i8_tile(const float *x, int64_t K, const int8_t *w, const float *
 #define I8_MAX_ROWS 6 /* 6 rows x 4 blocks = 24 accumulators of the 32 registers */
 #else
 /* AVX2: a block of 16 outputs is two registers, so a tile of 4 blocks takes 8 accumulators a row: one row a pass */
-I8_INLINE void i8_tile(const float *x, int64_t K, const int8_t *w, const float *scale, const float *bias, float *y,
-                       int64_t N, int64_t t, const int NB, const int R) {
+SQ_INLINE void i8_tile(const float *x, int64_t K, const int8_t *w, const float *scale, const float *bias, float *y,
+                      int64_t N, int64_t t, const int NB, const int R) {
     const int8_t *wt = w + t * 4 * 16 * K;
     const int64_t c0 = 4 * t * 16;
     (void)R;
@@ -77,34 +77,13 @@ I8_INLINE void i8_tile(const float *x, int64_t K, const int8_t *w, const float *
 
 #define I8_TILE(NB, R) i8_tile(x + m * K, K, w, scale, bias, y + m * N, N, i, NB, R)
 /* up to I8_MAX_ROWS rows per pass over a tile (its codes widened once for all of them); fewer take a smaller pass */
-#define I8_ROWS(NB)                                                      \
-    do {                                                                 \
-        int64_t m = 0;                                                   \
-        for (; m + I8_MAX_ROWS <= M; m += I8_MAX_ROWS) I8_TILE(NB, I8_MAX_ROWS); \
-        switch (M - m) {                                                 \
-            case 5: I8_TILE(NB, 5); break;                               \
-            case 4: I8_TILE(NB, 4); break;                               \
-            case 3: I8_TILE(NB, 3); break;                               \
-            case 2: I8_TILE(NB, 2); break;                               \
-            case 1: I8_TILE(NB, 1); break;                               \
-            default: break;                                              \
-        }                                                                \
-    } while (0)
+#define I8_ROWS(NB) SQ_ROW_PASSES(M, I8_MAX_ROWS, I8_TILE, NB)
 
 int sq_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *bias,
                    int64_t N, float *y) {
     if (N % 16 || K <= 0 || M < 0) return 1;
-    const int64_t nblk = N / 16, ntile = (nblk + 3) / 4;
-#pragma omp parallel for schedule(static) if (ntile > 1 && M * N * K > 32768)
-    for (int64_t i = 0; i < ntile; i++) {
-        const int64_t nb = nblk - 4 * i < 4 ? nblk - 4 * i : 4;
-        switch (nb) {
-            case 4: I8_ROWS(4); break;
-            case 3: I8_ROWS(3); break;
-            case 2: I8_ROWS(2); break;
-            default: I8_ROWS(1); break;
-        }
-    }
+    const int64_t nblk = N / 16;
+    SQ_TILES_OF_4(nblk, M * N * K, I8_ROWS);
     return 0;
 }
 #else

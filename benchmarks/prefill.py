@@ -1,7 +1,7 @@
 """Prompt passes in bf16 against fp32, side by side in one run (`engine.prefill_dtype`, toolkit/engine/precision.py).
 
-    python -m toolkit.bench.prefill [--model smollm2-135m] [--lengths 128,512,1024] [--prompts 3] [--rounds 3]
-                                    [--new-tokens 32]
+    python -m benchmarks.prefill [--model smollm2-135m] [--lengths 128,512,1024] [--prompts 3] [--rounds 3]
+                                 [--new-tokens 32]
 
 The model is loaded twice as the engine runs it, with `engine.prefill_dtype=fp32` and `=bf16`. For each prompt
 length, each round times the engine's prefill (`engine.generate.prefill`: a fresh cache, logits of the last
@@ -13,11 +13,12 @@ the KL that the engine's fp16 weight storage itself costs (fp32 products, agains
 windows of the held-out `open` prompt set's source (`toolkit.data.build_prompts`), never calibration text.
 """
 
-import argparse
 import statistics
 import time
 
 import torch
+
+from benchmarks._cli import parser as script_parser
 
 
 def _engine(model: str, prefill: str, dtype: str = "auto"):
@@ -86,8 +87,7 @@ def print_result(out: dict) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser = script_parser(__doc__)
     parser.add_argument("--lengths", default="128,512,1024")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)

@@ -1,6 +1,6 @@
 """The lean forward against transformers' forward, side by side in one run (toolkit/engine/lean_forward.py).
 
-    python -m toolkit.bench.forward [--model smollm2-135m] [--rounds 5] [--steps 20] [--threads N]
+    python -m benchmarks.forward [--model smollm2-135m] [--rounds 5] [--steps 20] [--threads N]
 
 Three copies of the model are loaded as the engine runs them: one with `engine.forward=transformers`, one with
 `engine.forward=lean`, and a lean one that leaves sdpa to transformers (which copies each key/value head per query
@@ -11,11 +11,12 @@ back after each). Then, for layer 0, the fused fbgemm packs against the separate
 each, best of many. Prints medians over rounds and the ratios; the logits of the copies are compared too.
 """
 
-import argparse
 import statistics
 import time
 
 import torch
+
+from benchmarks._cli import parser as script_parser
 
 PROMPT_TOKENS = 128
 PASS_ROWS = (1, 5, 9)
@@ -120,8 +121,7 @@ def print_result(out: dict) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser = script_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)

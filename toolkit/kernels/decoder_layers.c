@@ -5,7 +5,7 @@
  *
  * Why: on SmolLM2-135M a decode step through torch spends most of its time around ~40 small operators per layer
  * (each a dispatch, an allocation, a thread fork), not in the weights. Here a layer is four GEMMs (int4 weights:
- * toolkit/quant/c/int4_gemm.c or vnni_gemm.c; int8 weights: int8_gemm.c; fp16 weights, a float model at the
+ * int4_gemm.c or vnni_gemm.c, beside this file; int8 weights: int8_gemm.c; fp16 weights, a float model at the
  * engine's default precision: half_gemm.c, or bf16_gemm.c under engine.native_dot=bf16; all included below) and a
  * few loops over a few thousand floats.
  *

@@ -1,7 +1,7 @@
 """Prompt lookup's draft-length rules, replayed exactly on recorded greedy outputs (toolkit/spec/drafts.py).
 
-    python -m toolkit.bench.lookup_replay [--model smollm2-135m] [--prompts code,grounded,open] [--n-prompts 8]
-                                          [--new-tokens 128] [--native-dot fp32|bf16]
+    python -m benchmarks.lookup_replay [--model smollm2-135m] [--prompts code,grounded,open] [--n-prompts 8]
+                                       [--new-tokens 128] [--native-dot fp32|bf16]
 
 `--native-dot`: the engine's `engine.native_dot` for the replay's model (costs and outputs are the setting's own).
 
@@ -19,13 +19,13 @@ what the rules share (prefill, the loop's own few percent), so it predicts the "
 that reads only the context can beat it, so it bounds what tuning the length can buy.
 """
 
-import argparse
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
+from benchmarks._cli import parser as script_parser
 from toolkit.spec.drafts import LookupDraft
 
 MAX_ROWS = 17  # a k=16 round: the pending token and 16 drafted ones
@@ -141,8 +141,7 @@ def print_result(out: dict) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser = script_parser(__doc__)
     parser.add_argument("--prompts", default="code,grounded,open")
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)

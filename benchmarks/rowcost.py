@@ -1,6 +1,6 @@
 """What one forward pass feeding r new tokens onto a filled cache costs, per product setting, side by side in one run.
 
-    python -m toolkit.bench.rowcost [--model smollm2-135m] [--rows 1 2 4 6 9 12 17 128] [--rounds 9] [--passes 10]
+    python -m benchmarks.rowcost [--model smollm2-135m] [--rows 1 2 4 6 9 12 17 128] [--rounds 9] [--passes 10]
 
 A decode step is r = 1; a speculative verify pass of k drafted tokens is r = k + 1; a prompt is r = its length. The
 ratio of an r-row pass to a one-row step is what speculative decoding pays for each verify, so it, more than the
@@ -16,11 +16,12 @@ rounds and, per setting, the pass in one-row steps, with the machine's bandwidth
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+
+from benchmarks._cli import parser as script_parser
 
 
 def _load(model: str, dot: str):
@@ -77,8 +78,7 @@ def print_result(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser = script_parser(__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 9, 12, 17, 128])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--passes", type=int, default=10)

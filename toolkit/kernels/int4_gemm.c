@@ -16,15 +16,15 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "tiles.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 
-#define INLINE static inline __attribute__((always_inline))
-
 /* NB blocks of 8 outputs (b0 .. b0+NB-1) x R rows starting at x; all loops have constant bounds after inlining */
-INLINE void tile(const float *x, int64_t K, const float *xsum, int64_t ng, const uint8_t *codes, const float *sc,
-                 const uint8_t *zp, int64_t G, const float *bias, float *y, int64_t N, int64_t b0, const int NB,
-                 const int R) {
+SQ_INLINE void tile(const float *x, int64_t K, const float *xsum, int64_t ng, const uint8_t *codes, const float *sc,
+                    const uint8_t *zp, int64_t G, const float *bias, float *y, int64_t N, int64_t b0, const int NB,
+                    const int R) {
     const __m256i mask = _mm256_set1_epi32(0xF);
     const int64_t half = K / 2;
     __m256 yv[4][4];  /* [rows][blocks], R <= 4, NB <= 4 */
@@ -98,15 +98,9 @@ int sq_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, c
      * then x 1 (4 rows share each code's unpacking: 15-17% faster than 2 at 4-256 rows, 1536x576 here; AVX512
      * builds only, see WIDE_ROWS) */
     const int64_t nbw = M == 1 ? 4 : 2, ntile = (nblk + nbw - 1) / nbw;
-#pragma omp parallel for schedule(static) if (ntile > 1 && M * N * K > 32768)
-    for (int64_t i = 0; i < ntile; i++) {
-        const int64_t b0 = i * nbw, nb = nblk - b0 < nbw ? nblk - b0 : nbw;
-        switch (nb) {
-            case 4: ROWS(4); break;
-            case 3: ROWS(3); break;
-            case 2: ROWS(2); break;
-            default: ROWS(1); break;
-        }
+    SQ_FOR_EACH_TILE(i, ntile, M * N * K) {
+        const int64_t b0 = i * nbw, nb = SQ_TILE_BLOCKS(nblk, i, nbw);
+        SQ_BY_BLOCKS(nb, ROWS)
     }
     free(xsum);
     return 0;

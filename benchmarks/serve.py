@@ -1,11 +1,11 @@
 """Load benchmark of `specquant serve`: N concurrent streaming clients against the server on loopback, and the same
 requests served one at a time, in one run.
 
-    python -m toolkit.bench.serve [--clients 16] [--duration 120] [--sequential-duration 60] [--max-tokens 128]
-                                  [--model CHECKPOINT_OR_NAME] [--prompts open] [--out result.json]
-                                  [--kv-tokens N | --kv-budget-mb MB] [--block-size 16] [--no-prefix-cache]
-                                  [--kv fp|int8|int4|int2] [--spec none|lookup] [--spec-k 8] [--spec-max-batch 4]
-                                  [--spec-set KEY=VALUE ...]
+    python -m benchmarks.serve [--clients 16] [--duration 120] [--sequential-duration 60] [--max-tokens 128]
+                               [--model CHECKPOINT_OR_NAME] [--prompts open] [--out result.json]
+                               [--kv-tokens N | --kv-budget-mb MB] [--block-size 16] [--no-prefix-cache]
+                               [--kv fp|int8|int4|int2] [--spec none|lookup] [--spec-k 8] [--spec-max-batch 4]
+                               [--spec-set KEY=VALUE ...]
 
 Protocol: a fixed list of requests (prompts of the --prompts set cut to 128, 256, 384 and 512 tokens in turn, greedy,
 --max-tokens new tokens each, stopping early only at the model's end-of-sequence) is served twice by one server

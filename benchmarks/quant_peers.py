@@ -17,8 +17,8 @@ own venv (eval/peers/README.md) from scripts that import nothing of ours. They t
 `checkpoint_from_dump` turns a dump into one of our checkpoint directories (its manifest's ``source`` the float
 model, so `specquant eval model=DIR` measures it against that model as it does ours), ``peer.json`` beside it.
 
-    python -m toolkit.bench.quant_peers calibration --model gemma3-270m --out calib.pt
-    python -m toolkit.bench.quant_peers import --dump peer.safetensors --source gemma3-270m --out DIR
+    python -m benchmarks.quant_peers calibration --model gemma3-270m --out calib.pt
+    python -m benchmarks.quant_peers import --dump peer.safetensors --source gemma3-270m --out DIR
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def checkpoint_from_dump(dump: str | Path, source: str, out: str | Path, force: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.bench.quant_peers", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quant_peers", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     calib = sub.add_parser("calibration", help="write the calibration windows specquant quantize uses")
     calib.add_argument("--model", required=True)

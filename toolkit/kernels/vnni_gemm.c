@@ -1,6 +1,8 @@
 /* y[M,N] = x[M,K] @ W.T (+ bias) for a 4-bit (sq_w4a8_linear) or 8-bit (sq_w8a8_linear) group-quantized W with the
- * activations quantized to int8 on the fly, integer dot products by AVX512-VNNI (vpdpbusd: 64 unsigned-by-signed
- * byte products an instruction).
+ * activations quantized to int8 on the fly, integer dot products: AVX512-VNNI's vpdpbusd (64 unsigned-by-signed byte
+ * products an instruction), or on AVX2 vpmaddubsw + vpmaddwd (4-bit codes only: a code below 16 times an int8 below
+ * 128, two products and two of those pairs summed in 16 bits, stays under 2^15, so no sum saturates and the integer
+ * sums are the same exact numbers; 8-bit codes would saturate, so sq_w8a8_linear needs VNNI).
  *
  * Layout "v16" (documented in toolkit/quant/vnni.py, packed by vnni.pack): blocks of 16 output channels,
  * tiles of 4 blocks (the last tile may hold fewer, nt), each tile stored in the order the kernel reads it:
@@ -19,25 +21,27 @@
  * xq = round(x / xs) (llama.cpp's q8 activations, at the weight's group). Per group g and row m:
  *   y[m, n] += scale[n, g] * xs[m, g] * (sum_k q[n, k] xq[m, k] - zero[n, g] * sum_k xq[m, k])
  * where the integer sums are exact (int32), so the only rounding is the activations' and the fp32 epilogue's.
- * Not the dequantized weight's fp32 product (that is int4_gemm.c): a cheaper approximation of it, for drafts.
+ * Not the dequantized weight's fp32 product (that is int4_gemm.c): a cheaper approximation of it, for drafts and for
+ * targets run at engine.native_dot=int8. The AVX2 and AVX512 builds give the same bits: the integer sums are exact and
+ * the fp32 epilogue runs the same operations in the same order.
  *
  * Rows are independent: a row's activations are quantized from that row alone and its sums run in the same order
  * whatever M or the tiling, so a row's result does not depend on the rows beside it.
  *
  * Constraints (checked by the caller, returned as nonzero here): N % 16 == 0, K % 8 == 0, G % 8 == 0; the last
- * group may be short. Without AVX512-VNNI (and AVX512BW) the function returns 2 and the caller keeps the fp32
- * kernel.
+ * group may be short. Without AVX512-VNNI (and AVX512BW) sq_w8a8_linear returns 2, and without AVX2 both do; the
+ * caller then keeps the fp32 kernel.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "tiles.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
-#define VNNI_INLINE static inline __attribute__((always_inline))
-
 /* one row's group of n columns (n % 16 == 0) to int8 codes; returns the sum of the codes, sets *scale */
-VNNI_INLINE int32_t quantize_group(const float *x, int64_t n, int8_t *q, float *scale) {
+SQ_INLINE int32_t quantize_group(const float *x, int64_t n, int8_t *q, float *scale) {
     __m512 amax = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
     const float m = _mm512_reduce_max_ps(amax);
@@ -73,9 +77,9 @@ static int32_t quantize_group_any(const float *x, int64_t n, int8_t *q, float *s
 }
 
 /* tile t: its NB blocks of 16 outputs (16*4t ..) x R rows; the loops have constant bounds after inlining */
-VNNI_INLINE void tile16(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, int64_t ng, int64_t G,
-                        const uint8_t *codes, const float *sc, const uint8_t *zp, const float *bias, float *y,
-                        int64_t N, int64_t t, const int NB, const int R, const int BITS) {
+SQ_INLINE void tile16(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, int64_t ng, int64_t G,
+                      const uint8_t *codes, const float *sc, const uint8_t *zp, const float *bias, float *y,
+                      int64_t N, int64_t t, const int NB, const int R, const int BITS) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     const int64_t oct = K / 8, b0 = 4 * t;
     codes += t * 4 * oct * 64 * (BITS / 4);
@@ -138,10 +142,89 @@ VNNI_INLINE void tile16(const int8_t *xq, const float *xs, const int32_t *xsum, 
         for (; m < M; m++) TILE16(NB, 1);                        \
     } while (0)
 
-VNNI_INLINE int lowbit_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scale,
-                                 const uint8_t *zero, const float *bias, int64_t N, int64_t G, float *y,
-                                 const int BITS) {
+#define HAS_W8A8 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* one row's group of n columns (n % 8 == 0) to int8 codes, as the AVX512 build's quantize_group: the same max, the
+ * same scale and the same round-half-to-even codes; returns the sum of the codes, sets *scale */
+static int32_t quantize_group_any(const float *x, int64_t n, int8_t *q, float *scale) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float m = _mm_cvtss_f32(m4);
+    *scale = m / 127.f;
+    const __m256 inv = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+        v = _mm256_max_epi32(_mm256_min_epi32(v, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        sum = _mm256_add_epi32(sum, v);
+        const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(p16, p16));
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* tile t, one row: its NB blocks of 16 outputs as two 8-lane halves each. y holds the bias (or zeros) and takes each
+ * group's term in turn: yv = fma(scale * xs, sum - zero * xsum, yv), the AVX512 tile's operations lane for lane */
+SQ_INLINE void tile16_row(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, int64_t ng, int64_t G,
+                          const uint8_t *codes, const float *sc, const uint8_t *zp, float *y, int64_t t, const int NB) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int64_t oct = K / 8, b0 = 4 * t;
+    codes += t * 4 * oct * 64;
+    sc += t * 4 * ng * 16;
+    zp += t * 4 * ng * 16;
+    for (int64_t g = 0; g < ng; g++) {
+        __m256i acc[4][2];
+        for (int j = 0; j < NB; j++) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
+        const int64_t o0 = g * G / 8, o1 = o0 + G / 8 < oct ? o0 + G / 8 : oct;
+        for (int64_t o = o0; o < o1; o++) {
+            int32_t a, b;
+            memcpy(&a, xq + 8 * o, 4);
+            memcpy(&b, xq + 8 * o + 4, 4);
+            const __m256i x0 = _mm256_set1_epi32(a), x1 = _mm256_set1_epi32(b);
+            for (int j = 0; j < NB; j++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (o * NB + j) * 64 + 32 * h));
+                    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+                    acc[j][h] = _mm256_add_epi32(acc[j][h], _mm256_madd_epi16(pairs, ones));
+                }
+        }
+        for (int j = 0; j < NB; j++)
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = (g * NB + j) * 16 + 8 * h;
+                const __m256 s = _mm256_loadu_ps(sc + at);
+                const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zp + at))));
+                const __m256 d = _mm256_fnmadd_ps(z, _mm256_set1_ps((float)xsum[g]), _mm256_cvtepi32_ps(acc[j][h]));
+                float *yp = y + (b0 + j) * 16 + 8 * h;
+                _mm256_storeu_ps(yp, _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(xs[g])), d, _mm256_loadu_ps(yp)));
+            }
+    }
+}
+
+/* the rows one at a time: a tile's codes (at most 4 x 16 x K/2 bytes) stay in the core's caches between rows */
+#define ROWS16(NB)                                                                                         \
+    do {                                                                                                   \
+        for (int64_t m = 0; m < M; m++)                                                                    \
+            tile16_row(xq + m * K, xs + m * ng, xsum + m * ng, K, ng, G, codes, scale, zero, y + m * N, i, NB); \
+    } while (0)
+#define HAS_W8A8 0
+#endif
+
+#if defined(HAS_W8A8)
+SQ_INLINE int lowbit_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scale,
+                               const uint8_t *zero, const float *bias, int64_t N, int64_t G, float *y,
+                               const int BITS) {
     if (N % 16 || K % 8 || G % 8 || G <= 0 || M < 0) return 1;
+    if (!HAS_W8A8 && BITS != 4) return 2;
     const int64_t ng = (K + G - 1) / G, nblk = N / 16;
     int8_t *xq = malloc(M * K + 64);
     float *xs = malloc(sizeof(float) * (M * ng + 1));
@@ -155,17 +238,11 @@ VNNI_INLINE int lowbit_q8_linear(const float *x, int64_t M, int64_t K, const uin
             const int64_t k0 = g * G, n = k0 + G < K ? G : K - k0;
             xsum[m * ng + g] = quantize_group_any(x + m * K + k0, n, xq + m * K + k0, xs + m * ng + g);
         }
-    const int64_t ntile = (nblk + 3) / 4;
-#pragma omp parallel for schedule(static) if (ntile > 1 && M * N * K > 32768)
-    for (int64_t i = 0; i < ntile; i++) {
-        const int64_t nb = nblk - 4 * i < 4 ? nblk - 4 * i : 4;
-        switch (nb) {
-            case 4: ROWS16(4); break;
-            case 3: ROWS16(3); break;
-            case 2: ROWS16(2); break;
-            default: ROWS16(1); break;
-        }
-    }
+#if !HAS_W8A8 /* the AVX2 tile adds each group's term to y: start it at the bias */
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) y[m * N + n] = bias ? bias[n] : 0.f;
+#endif
+    SQ_TILES_OF_4(nblk, M * N * K, ROWS16);
     free(xq);
     free(xs);
     free(xsum);

@@ -5,8 +5,8 @@ once (AWQ with ``scales_only``: scales searched and folded, clips applied, nothi
 its KL to the float model on a few evaluation windows of each text. ``--breakdown`` rounds the first variant's
 float model one Linear kind at a time, then one block at a time (the rest left unrounded): where the error sits.
 
-    python -m toolkit.bench.awq_screen --recipe gemma3-270m/awq-w4g128 "" awq_gqa_v_o=true
-    python -m toolkit.bench.awq_screen --recipe gemma3-270m/awq-w4g128 --breakdown awq_gqa_v_o=true
+    python -m benchmarks.awq_screen --recipe gemma3-270m/awq-w4g128 "" awq_gqa_v_o=true
+    python -m benchmarks.awq_screen --recipe gemma3-270m/awq-w4g128 --breakdown awq_gqa_v_o=true
 
 A variant is ``key=value[,key=value...]`` over the recipe's ``quantize`` keys ("" = the recipe as it is). The KL
 is the evaluation's (`toolkit.evaluation`: BOS-first windows of the evaluation split, every token after the
@@ -150,7 +150,7 @@ def screen(model_name: str, base: dict, variants: list[str], data: list[str], wi
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.bench.awq_screen", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.awq_screen", description=__doc__.split("\n\n")[0])
     parser.add_argument("variants", nargs="*", default=[""], help='key=value[,key=value...]; "" = the recipe')
     parser.add_argument("--recipe", default="smollm2-135m/awq-w4g64", help="recipe name or file (its model too)")
     parser.add_argument("--model", default=None, help="another model than the recipe's")

@@ -1,0 +1,109 @@
+"""engine.native_dot=int8 (docs/engine.md, "Precision"): an int4 model's native stack with each row's activations
+rounded to int8 per weight group (toolkit/quant/vnni.py). Every product runs the w4a8 kernel; its logits are close to
+the exact stack's but not equal; greedy speculative output at that setting is the same target's greedy output alone
+(rows stay independent); evaluation measures the same arithmetic generation runs; a model it cannot run is a clear
+error naming the fix."""
+
+import pytest
+import torch
+
+from toolkit.engine import generate
+from toolkit.engine.lean_forward import install
+from toolkit.engine.native_decoder import library
+from toolkit.engine.precision import Precision, prepare_model
+from toolkit.engine.setup import use_native_dot
+from toolkit.errors import InputError
+from toolkit.quant import vnni
+
+pytestmark = pytest.mark.skipif(library() is None or not vnni.available(),
+                                reason="needs the native decoder and the int8-activation kernel (AVX2)")
+
+
+def _float_model(tokenizer):
+    """A float Llama with SmolLM2's head width (64) and widths the v16 layout holds, engine-prepared."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.1, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config).eval()
+    prepare_model(model, Precision(torch.float32, torch.float16), gemm="fbgemm")
+    install(model)
+    return model
+
+
+@pytest.fixture
+def int4_model(tiny_tokenizer):
+    from toolkit.spec.self_draft import build_self_draft
+
+    model = build_self_draft(_float_model(tiny_tokenizer), bits=4, group_size=32)
+    model.specquant_precision = Precision(torch.float32, torch.float16)
+    assert model.forward.native_decoder() is not None
+    return model
+
+
+def _prompts():
+    import pydoc_data.topics
+
+    texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 400]
+    return [texts[5 * i][:60 + 11 * i] + " " + texts[5 * i][:30] for i in range(4)]
+
+
+def test_every_product_runs_int8_activations_close_to_the_exact_stack(int4_model, tiny_tokenizer):
+    ids = tiny_tokenizer(_prompts()[0], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        exact = int4_model(input_ids=ids, use_cache=False).logits
+    use_native_dot(int4_model, "int8")
+    native = int4_model.forward.native_decoder()
+    assert native.w4a8 == len(native.kinds) == 4 * int4_model.config.num_hidden_layers
+    assert int4_model.specquant_precision.dot == "int8" and "int8" in int4_model.specquant_precision.name
+    assert "int4 x int8" in next(iter(native.describe()["products"]))
+    from toolkit.evaluation.forward import window_logits
+
+    approx = window_logits(int4_model, ids)
+    assert approx.shape == exact.shape and not torch.equal(approx, exact)
+    assert (approx - exact).abs().max() <= 0.1 * exact.abs().max()
+    # the evaluation's logits are the stack's: a prompt fed in two calls through one cache gives the same rows
+    from toolkit.engine import ContiguousKVCache
+
+    cache = ContiguousKVCache.for_model(int4_model, ids.shape[1])
+    half = ids.shape[1] // 2
+    with torch.inference_mode():
+        parts = [int4_model(input_ids=ids[:, :half], cache=cache, use_cache=True).logits,
+                 int4_model(input_ids=ids[:, half:], position_ids=torch.arange(half, ids.shape[1])[None],
+                            cache=cache, use_cache=True).logits]
+    assert torch.equal(torch.cat(parts, dim=1), approx)
+    with pytest.raises(InputError, match="full-precision KV cache"):
+        window_logits(int4_model, ids, "int4")
+
+
+def test_speculative_greedy_output_at_int8_is_the_target_alone(int4_model, tiny_tokenizer):
+    from toolkit.spec.decode import DraftLength, speculative_generate
+    from toolkit.spec.drafts import LookupDraft
+
+    use_native_dot(int4_model, "int8")
+    for i, prompt in enumerate(_prompts()):
+        alone = generate(int4_model, tiny_tokenizer, [prompt], 24, stop_tokens=set()).sequences[0].token_ids
+        out = speculative_generate(int4_model, tiny_tokenizer, [prompt], 24, LookupDraft(3, 1),
+                                   DraftLength(k=2 + i, adaptive=i % 2 == 1, k_min=1, k_max=6), stop_tokens=set())
+        assert out.sequences[0].token_ids == alone, i
+
+
+def test_a_model_it_cannot_run_is_a_clear_error(tiny_tokenizer):
+    model = _float_model(tiny_tokenizer)
+    model.specquant_precision = Precision(torch.float32, torch.float16)
+    with pytest.raises(InputError, match="applies to int4 checkpoints") as error:
+        use_native_dot(model, "int8")
+    assert "engine.native_dot=fp32" in error.value.fix
+    with pytest.raises(InputError, match="unknown engine.native_dot 'int4'"):
+        use_native_dot(model, "int4")
+
+
+def test_evaluation_at_int8_runs_perplexity_only(int4_model, tiny_tokenizer):
+    from toolkit.evaluation.suite import Settings, run_tasks
+
+    use_native_dot(int4_model, "int8")
+    for task in ("cloze", "mc", "gen"):
+        with pytest.raises(InputError, match="task=ppl"):
+            run_tasks(int4_model, tiny_tokenizer, _prompts(), ["ppl", task], Settings())
