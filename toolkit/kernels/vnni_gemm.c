@@ -172,49 +172,71 @@ static int32_t quantize_group_any(const float *x, int64_t n, int8_t *q, float *s
     return _mm_cvtsi128_si32(s4);
 }
 
-/* tile t, one row: its NB blocks of 16 outputs as two 8-lane halves each. y holds the bias (or zeros) and takes each
- * group's term in turn: yv = fma(scale * xs, sum - zero * xsum, yv), the AVX512 tile's operations lane for lane */
-SQ_INLINE void tile16_row(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, int64_t ng, int64_t G,
-                          const uint8_t *codes, const float *sc, const uint8_t *zp, float *y, int64_t t, const int NB) {
+/* tile t, R rows (1 or 2): blocks J0 .. J0+NP-1 of its NB blocks of 16 outputs, each as two 8-lane halves (a tile's
+ * codes are stored [K/8, NB, 64], hence the stride NB). Two rows share each load and unpacking of the codes; their 16
+ * int32 accumulators, broadcasts and constants fit AVX2's 16 registers for NP <= 2 (NP 4 with one row). y holds the
+ * bias (or zeros) and takes each group's term in turn: yv = fma(scale * xs, sum - zero * xsum, yv), the AVX512 tile's
+ * operations lane for lane, so the two builds give the same bits and a row's result is the same whatever R */
+SQ_INLINE void tile16_avx2(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, int64_t ng, int64_t G,
+                           const uint8_t *codes, const float *sc, const uint8_t *zp, float *y, int64_t N, int64_t t,
+                           const int NB, const int J0, const int NP, const int R) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const int64_t oct = K / 8, b0 = 4 * t;
     codes += t * 4 * oct * 64;
     sc += t * 4 * ng * 16;
     zp += t * 4 * ng * 16;
     for (int64_t g = 0; g < ng; g++) {
-        __m256i acc[4][2];
-        for (int j = 0; j < NB; j++) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
+        __m256i acc[2][4][2];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NP; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_si256();
         const int64_t o0 = g * G / 8, o1 = o0 + G / 8 < oct ? o0 + G / 8 : oct;
         for (int64_t o = o0; o < o1; o++) {
-            int32_t a, b;
-            memcpy(&a, xq + 8 * o, 4);
-            memcpy(&b, xq + 8 * o + 4, 4);
-            const __m256i x0 = _mm256_set1_epi32(a), x1 = _mm256_set1_epi32(b);
-            for (int j = 0; j < NB; j++)
+            __m256i x0[2], x1[2];
+            for (int r = 0; r < R; r++) {
+                int32_t a, b;
+                memcpy(&a, xq + r * K + 8 * o, 4);
+                memcpy(&b, xq + r * K + 8 * o + 4, 4);
+                x0[r] = _mm256_set1_epi32(a);
+                x1[r] = _mm256_set1_epi32(b);
+            }
+            for (int j = 0; j < NP; j++)
                 for (int h = 0; h < 2; h++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (o * NB + j) * 64 + 32 * h));
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (o * NB + J0 + j) * 64 + 32 * h));
                     const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-                    acc[j][h] = _mm256_add_epi32(acc[j][h], _mm256_madd_epi16(pairs, ones));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i pairs =
+                            _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0[r]), _mm256_maddubs_epi16(hi, x1[r]));
+                        acc[r][j][h] = _mm256_add_epi32(acc[r][j][h], _mm256_madd_epi16(pairs, ones));
+                    }
                 }
         }
-        for (int j = 0; j < NB; j++)
+        for (int j = 0; j < NP; j++)
             for (int h = 0; h < 2; h++) {
-                const int64_t at = (g * NB + j) * 16 + 8 * h;
+                const int64_t at = (g * NB + J0 + j) * 16 + 8 * h;
                 const __m256 s = _mm256_loadu_ps(sc + at);
                 const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zp + at))));
-                const __m256 d = _mm256_fnmadd_ps(z, _mm256_set1_ps((float)xsum[g]), _mm256_cvtepi32_ps(acc[j][h]));
-                float *yp = y + (b0 + j) * 16 + 8 * h;
-                _mm256_storeu_ps(yp, _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(xs[g])), d, _mm256_loadu_ps(yp)));
+                for (int r = 0; r < R; r++) {
+                    const __m256 d = _mm256_fnmadd_ps(z, _mm256_set1_ps((float)xsum[r * ng + g]),
+                                                      _mm256_cvtepi32_ps(acc[r][j][h]));
+                    float *yp = y + r * N + (b0 + J0 + j) * 16 + 8 * h;
+                    _mm256_storeu_ps(yp, _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(xs[r * ng + g])), d,
+                                                         _mm256_loadu_ps(yp)));
+                }
             }
     }
 }
 
-/* the rows one at a time: a tile's codes (at most 4 x 16 x K/2 bytes) stay in the core's caches between rows */
-#define ROWS16(NB)                                                                                         \
-    do {                                                                                                   \
-        for (int64_t m = 0; m < M; m++)                                                                    \
-            tile16_row(xq + m * K, xs + m * ng, xsum + m * ng, K, ng, G, codes, scale, zero, y + m * N, i, NB); \
+#define TILE16_AVX2(NB, J0, NP, R) \
+    tile16_avx2(xq + m * K, xs + m * ng, xsum + m * ng, K, ng, G, codes, scale, zero, y + m * N, N, i, NB, J0, NP, R)
+/* row pairs over the tile's blocks two at a time, then a last row over all of them at once */
+#define ROWS16(NB)                                                         \
+    do {                                                                   \
+        int64_t m = 0;                                                     \
+        for (; m + 2 <= M; m += 2) {                                       \
+            TILE16_AVX2(NB, 0, (NB) < 2 ? (NB) : 2, 2);                    \
+            if ((NB) > 2) TILE16_AVX2(NB, 2, (NB) - 2, 2);                 \
+        }                                                                  \
+        if (m < M) TILE16_AVX2(NB, 0, NB, 1);                              \
     } while (0)
 #define HAS_W8A8 0
 #endif
