@@ -106,14 +106,16 @@ def screen(model_name: str, base: dict, variants: list[str], data: list[str], wi
     if base.get("method", "awq") != "awq":
         raise ValueError(f"the AWQ screen rounds AWQ's folded float model; this recipe is method={base['method']} "
                          f"(give an AWQ recipe, e.g. --recipe smollm2-135m/awq-w4g64)")
-    recipes = [(variant, QuantRecipe.from_dict({"method": "awq", **base, **parse_variant(variant)}))
+    # (a variant's experimental keys may come flat: awq_clip_grid=40 is experimental.awq_clip_grid=40)
+    recipes = [(variant, QuantRecipe.from_dict({"method": "awq", **base, **parse_variant(variant)}, retired_ok=False))
                for variant in variants]
     for variant, recipe in recipes:  # refused before any model loads
-        if recipe.awq_rounding != "rtn" or recipe.awq_next_inputs != "float":
+        next_inputs = recipe.experimental.awq_next_inputs
+        if recipe.awq_rounding != "rtn" or next_inputs != "float":
             # the screen rounds one fold made on the float blocks' outputs: it would measure another model
             raise ValueError(f"the AWQ screen measures AWQ with round-to-nearest codes and each block searched on "
                              f"the float block's outputs; variant {variant!r} sets awq_rounding="
-                             f"{recipe.awq_rounding}, awq_next_inputs={recipe.awq_next_inputs}: measure it with "
+                             f"{recipe.awq_rounding}, awq_next_inputs={next_inputs}: measure it with "
                              f"specquant quantize and specquant eval")
     loaded = load_model(model_name, dtype=torch.float32)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer

@@ -26,13 +26,9 @@ FORWARDS = ("transformers", "lean-copied-kv", "lean")
 
 
 def _engine(model: str, forward: str, threads: int | None):
-    from omegaconf import OmegaConf
+    from toolkit.engine.setup import default_engine_config, load_engine_model
 
-    from toolkit.engine.setup import load_engine_model
-
-    cfg = OmegaConf.create({"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "wide_copy": "auto",
-                            "gemm": "auto", "threads": threads, "compile": False,
-                            "forward": "lean" if forward.startswith("lean") else forward})
+    cfg = default_engine_config(threads=threads, forward="lean" if forward.startswith("lean") else forward)
     loaded = load_engine_model(model, cfg).model
     if forward == "lean-copied-kv" and loaded.specquant_forward == "lean":
         loaded.forward.share_kv_heads = False

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from toolkit.kv import make_kv_cache, quant_config
+from toolkit.kv import KVSpec, make_kv_cache
 from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.kv.memory import bf16_kv_bytes, quantized_kv_bytes
 
@@ -51,8 +51,9 @@ def memory_table() -> list[dict]:
                     for shadow in (True, False):
                         cfg = {"kind": kind, "group_size": group, "residual": residual, "crop_shadow": shadow,
                                "pre_rope": False}  # no model here to read the rotation from; bytes are the same
-                        formula = quantized_kv_bytes(quant_config(cfg), tokens, batch=1, residual_bytes=2, **SMOLLM2)
-                        cache = make_kv_cache(_Shape(), tokens, cfg)
+                        kv = KVSpec.from_node(cfg)
+                        formula = quantized_kv_bytes(kv.quant, tokens, batch=1, residual_bytes=2, **SMOLLM2)
+                        cache = make_kv_cache(_Shape(), tokens, kv)
                         cache.update(k, k, 0)  # every layer holds the same shapes: fill one, count it 30 times
                         real = cache.layers[0].nbytes * SMOLLM2["layers"]
                         bf16 = bf16_kv_bytes(tokens, batch=1, **SMOLLM2)
@@ -88,7 +89,8 @@ def _caches(model, names: list[str], length: int, group: int, residual: int) -> 
         else:
             kind, _, mode = name.partition("-")
             extra = WITHOUT_ADDITIONS if mode == "base" else {"dequant": mode or "full"}
-            out[name] = make_kv_cache(model, length, {"kind": kind, "group_size": group, "residual": residual, **extra})
+            kv = KVSpec.from_node({"kind": kind, "group_size": group, "residual": residual, **extra})
+            out[name] = make_kv_cache(model, length, kv)
     return out
 
 

@@ -381,13 +381,10 @@ def _check(args) -> None:
 
 
 def run(args) -> dict:
-    from omegaconf import OmegaConf
-
-    from toolkit.engine.setup import load_engine_model
+    from toolkit.engine.setup import default_engine_config, load_engine_model
     from toolkit.machine import machine_facts
 
-    engine = OmegaConf.create({"device": "cpu", "dtype": args.dtype, "weight_dtype": args.weight_dtype,
-                               "threads": args.threads, "compile": False})
+    engine = default_engine_config(dtype=args.dtype, weight_dtype=args.weight_dtype, threads=args.threads)
     loaded = load_engine_model(args.model, engine)
     model, tok = loaded.model, loaded.tokenizer
     figures = {"model": loaded.name, "dtype": loaded.precision.name, "kv": "paged", "threads": torch.get_num_threads(),

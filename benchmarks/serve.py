@@ -161,11 +161,11 @@ def serve_in_child(conn, args: argparse.Namespace) -> None:
     answer "stats" with the scheduler's counters until "stop"."""
     from omegaconf import OmegaConf
 
-    from toolkit.engine.setup import load_engine_model
+    from toolkit.engine.setup import default_engine_config, load_engine_model
+    from toolkit.kv import KVSpec
     from toolkit.serve.server import BackgroundServer, ServeSettings, build_state
 
-    engine = OmegaConf.create({"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": args.threads,
-                               "compile": False})
+    engine = default_engine_config(threads=args.threads)
     loaded = load_engine_model(args.model or default_model(), engine)
     requests = request_list(loaded.tokenizer, args.prompts, 8)
     max_batch = args.max_batch or args.clients
@@ -173,7 +173,7 @@ def serve_in_child(conn, args: argparse.Namespace) -> None:
                              max_kv_tokens=args.kv_tokens or max_batch * (max(PROMPT_LENGTHS) + args.max_tokens),
                              max_seq_len=max(PROMPT_LENGTHS) + args.max_tokens + 16, max_tokens=args.max_tokens,
                              kv_budget_mb=args.kv_budget_mb, block_size=args.block_size,
-                             prefix_cache=not args.no_prefix_cache, kv=args.kv,
+                             prefix_cache=not args.no_prefix_cache, kv=KVSpec.from_node(args.kv),
                              spec=OmegaConf.merge({"kind": args.spec, "k": args.spec_k},
                                                   OmegaConf.from_dotlist(args.spec_set)),
                              spec_max_batch=args.spec_max_batch)

@@ -22,7 +22,13 @@
 # - latency: 2 open prompts of 128 tokens, 64 new tokens, 1 repeat after 1 warm-up; no-spec rows interleave
 #   transformers generate() (fp32), spec rows the same engine without speculation, and the float model's
 #   spec=lookup kv=fp run also transformers' assisted generation with prompt lookup (the peer rows; checkpoints
-#   do not repeat it). The report notes each peer it lacks (llama.cpp: llama-cpp-python is not installed here).
+#   do not repeat it). Where llama-cpp-python imports, the no-spec kv=fp runs also interleave llama.cpp
+#   (baseline='hf,llamacpp': the model's GGUF requantized to F16 / Q8_0 / Q4_0, the type nearest the weights), a
+#   llama.cpp row beside each; the quantized-cache runs do not repeat it (llama.cpp keeps its own f16 cache). The
+#   report notes each peer it lacks.
+# - int4 x int8 activations: each int4 checkpoint also at engine.native_dot=int8 (the w4a8 kernel, llama.cpp's q8
+#   activations), kv=fp: perplexity, KL and top-1 on the kv=fp windows (the only task it is evaluated on) and a
+#   no-spec bench with the same baselines; rows of their own ("..., engine.native_dot=int8").
 #
 # Every result line holds its resolved config, protocol, machine facts and git revision; the store is appended to,
 # so delete it first for a clean rebuild (the script does unless KEEP_STORE=1). Checkpoints already under
@@ -40,13 +46,16 @@ if [[ ${QUICK:-0} == 1 ]]; then
   SPECS=${SPECS:-"none,lookup"}
   EVAL_FP=(task=all max_windows=4 items=50 gen_prompts=2 gen_new_tokens=16)
   EVAL_KV=(task=ppl max_windows=4)
+  EVAL_INT8=(task=ppl max_windows=4)
   BENCH_ARGS=(prompt_tokens=128 new_tokens=32 n_prompts=2 repeats=1)
 else
-  RECIPES=${RECIPES:-"rtn-w8 rtn-w4g64 gptq-w4g64 awq-w4g64 awq-gptq-w4g64 gptq-w3g64"}
+  # NAME (a shipped recipe) or NAME=RECIPE,OVERRIDE,... (a variant, docs/quantization.md "Variants as overrides")
+  RECIPES=${RECIPES:-"rtn-w8 rtn-w4g64 gptq-w4g64 awq-w4g64 awq-gptq-w4g64=awq-w4g64,quantize.awq_clip=false,quantize.awq_rounding=gptq,quantize.act_order=true,quantize.mse=true gptq-w3g64=gptq-w4g64,quantize.bits=3"}
   KVS=${KVS:-"fp,int8,int4"}
   SPECS=${SPECS:-"none,lookup,self"}
   EVAL_FP=(task=all max_windows=8 items=200 gen_prompts=4)
   EVAL_KV=(task=ppl max_windows=8)
+  EVAL_INT8=(task=ppl max_windows=8)
   BENCH_ARGS=(prompt_tokens=128 new_tokens=64 n_prompts=2 repeats=1)
 fi
 QUANT_ARGS=(quantize.n_samples=${CALIBRATION_SAMPLES:-32})
@@ -54,22 +63,59 @@ QUANT_ARGS=(quantize.n_samples=${CALIBRATION_SAMPLES:-32})
 mkdir -p "$(dirname "$STORE")"
 start=$SECONDS
 stamp() { echo "== sweep: $1 at $((SECONDS - start)) s"; }
+without() { echo "$1" | tr ',' '\n' | grep -vx "$2" | paste -sd, - || true; }  # a comma list less one item
+has() { [[ ,$1, == *,$2,* ]]; }
+
+# llama.cpp beside the engine where llama-cpp-python imports (an optional source build); quoted, so hydra reads
+# one value rather than a sweep over two
+if python -c "import llama_cpp" 2>/dev/null; then
+  PEERS="baseline='hf,llamacpp'"
+else
+  PEERS="baseline=hf"
+  echo "== sweep: llama-cpp-python is not installed (pip install -e \".[llamacpp]\"): no llama.cpp rows (noted)"
+fi
 
 models=("$MODEL")
-for recipe in $RECIPES; do
+int4=()  # checkpoints with 4-bit weights: also measured with int8 activations (engine.native_dot=int8)
+for entry in $RECIPES; do
+  recipe=${entry%%=*}
+  IFS=, read -ra args <<< "${entry#*=}"  # NAME: (NAME); NAME=RECIPE,OVERRIDE,...: (RECIPE OVERRIDE ...)
   dir=$CHECKPOINTS/$MODEL-$recipe
-  [[ -f $dir/quant_manifest.json ]] || specquant quantize "recipe=$MODEL/$recipe" "output=$dir" "${QUANT_ARGS[@]}"
+  [[ -f $dir/quant_manifest.json ]] || specquant quantize "recipe=$MODEL/${args[0]}" "${args[@]:1}" "output=$dir" \
+    "${QUANT_ARGS[@]}"
   models+=("$dir")
+  bits=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["recipe"]["bits"])' "$dir/quant_manifest.json")
+  if [[ $bits == 4 ]]; then int4+=("$dir"); fi
 done
-stamp "quantized ${#models[@]} models"
+stamp "quantized ${#models[@]} models (${#int4[@]} int4)"
 all=$(IFS=,; echo "${models[*]}")
-kv_quant=$(echo "$KVS" | tr ',' '\n' | grep -v '^fp$' | paste -sd, -)
+kv_quant=$(without "$KVS" fp)
+spec_on=$(without "$SPECS" none)
 
 specquant eval -m "model=$all" kv=fp "${EVAL_FP[@]}" "store=$STORE" ${EXTRA:-}
 stamp "quality, kv=fp"
 [[ -z $kv_quant ]] || specquant eval -m "model=$all" "kv=$kv_quant" "${EVAL_KV[@]}" "store=$STORE" ${EXTRA:-}
 stamp "quality, kv=$kv_quant"
-specquant bench -m "model=$all" "kv=$KVS" "spec=$SPECS" "${BENCH_ARGS[@]}" "+store=$STORE" ${EXTRA:-}
+# int8 activations: one checkpoint at a time, so one the w4a8 kernel cannot run (it says why) leaves the rest
+for dir in "${int4[@]}"; do
+  specquant eval "model=$dir" kv=fp engine.native_dot=int8 "${EVAL_INT8[@]}" "store=$STORE" ${EXTRA:-} \
+    || echo "== sweep: no engine.native_dot=int8 quality for $dir (see above)"
+done
+stamp "quality, engine.native_dot=int8"
+
+if has "$SPECS" none; then
+  if has "$KVS" fp; then
+    specquant bench -m "model=$all" kv=fp spec=none "$PEERS" "${BENCH_ARGS[@]}" "+store=$STORE" ${EXTRA:-}
+  fi
+  [[ -z $kv_quant ]] || specquant bench -m "model=$all" "kv=$kv_quant" spec=none "${BENCH_ARGS[@]}" "+store=$STORE" \
+    ${EXTRA:-}
+  for dir in "${int4[@]}"; do
+    specquant bench "model=$dir" kv=fp spec=none engine.native_dot=int8 "$PEERS" "${BENCH_ARGS[@]}" "+store=$STORE" \
+      ${EXTRA:-} || echo "== sweep: no engine.native_dot=int8 latency for $dir (see above)"
+  done
+fi
+[[ -z $spec_on ]] || specquant bench -m "model=$all" "kv=$KVS" "spec=$spec_on" "${BENCH_ARGS[@]}" "+store=$STORE" \
+  ${EXTRA:-}
 stamp "latency"
 
 shot=()

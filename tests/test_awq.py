@@ -197,8 +197,8 @@ def test_awq_end_to_end_checkpoint(arch_dir, tiny_tokenizer, tmp_path, clip_asym
     arch, path = arch_dir
     model = _load(path)
     recipe = QuantRecipe(method="awq", bits=4, group_size=32, symmetric=False, n_samples=4, seq_len=32,
-                         awq_search_samples=2, awq_grid=5, awq_clip_grid=5, awq_clip_tokens=64,
-                         awq_clip_asym=clip_asym)
+                         awq_search_samples=2, awq_grid=5, awq_clip_asym=clip_asym,
+                         experimental={"awq_clip_grid": 5, "awq_clip_tokens": 64})
     float_model = copy.deepcopy(model)
     qsd = make_quantized_state_dict(model, tiny_tokenizer, recipe, progress=False)
     linears, _ = quantizable_linears(float_model, recipe)
@@ -316,9 +316,10 @@ def test_clip_search_through_group_grams_picks_the_directly_measured_best():
     assert bool((got < org_max.squeeze(-1)).any())
 
 
-def _awq_recipe(**kw):
+def _awq_recipe(awq_next_inputs="float", **kw):
     return QuantRecipe(method="awq", bits=4, group_size=32, symmetric=False, n_samples=4, seq_len=32,
-                       awq_search_samples=2, awq_grid=5, awq_clip_grid=5, awq_clip_tokens=64, **kw)
+                       awq_search_samples=2, awq_grid=5, **kw,
+                       experimental={"awq_clip_grid": 5, "awq_clip_tokens": 64, "awq_next_inputs": awq_next_inputs})
 
 
 def test_awq_bf16_calibration_folds_into_the_fp32_block(tiny_llama_dir, tiny_tokenizer):
@@ -350,7 +351,7 @@ def test_awq_bf16_calibration_folds_into_the_fp32_block(tiny_llama_dir, tiny_tok
 
 @pytest.mark.parametrize("next_inputs", ["quantized", "float"])
 def test_awq_next_block_inputs(tiny_llama_dir, tiny_tokenizer, next_inputs):
-    """awq_next_inputs=float (AutoAWQ's scheme): one calibration forward per block, whose float outputs are the
+    """experimental.awq_next_inputs=float (AutoAWQ's scheme): one calibration forward per block, whose float outputs are the
     next block's inputs, i.e. the float model's own hidden states; quantized: a second forward per block
     through the scaled, clipped, rounded block, so block 1 calibrates on different inputs."""
     from toolkit.quant.blockwise import quantize_blockwise
@@ -381,7 +382,7 @@ def test_awq_next_block_inputs(tiny_llama_dir, tiny_tokenizer, next_inputs):
 
 def test_awq_next_inputs_is_validated():
     with pytest.raises(ValueError, match="awq_next_inputs"):
-        QuantRecipe(method="awq", awq_next_inputs="bf16")
+        QuantRecipe(method="awq", experimental={"awq_next_inputs": "bf16"})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -6,7 +6,6 @@ import contextlib
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from toolkit.engine import ContiguousKVCache, generate
 from toolkit.engine.precision import (
@@ -44,10 +43,9 @@ def test_prefill_dtype_resolves_by_the_cpu_and_the_precision(monkeypatch):
 
 
 def _engine(model_dir, prefill: str):
-    from toolkit.engine.setup import load_engine_model
+    from toolkit.engine.setup import default_engine_config, load_engine_model
 
-    cfg = OmegaConf.merge(OmegaConf.load("conf/engine/default.yaml"), {"prefill_dtype": prefill})
-    return load_engine_model(str(model_dir), cfg)
+    return load_engine_model(str(model_dir), default_engine_config(prefill_dtype=prefill))
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,9 @@ def test_positional_words_become_overrides():
     assert translate_argv("generate", ["model=/some/dir", "engine=fp32"]) == ["model.name=/some/dir", "engine=fp32"]
     assert translate_argv("bench", ["-m", "model=smollm2-135m,gemma3-270m"]) == ["-m", "model=smollm2-135m,gemma3-270m"]
     assert translate_argv("eval", ["-m", "model=smollm2-135m,/c/x"]) == ["-m", "model.name=smollm2-135m,/c/x"]
+    # two baselines are one value (the docs' `baseline=hf,llamacpp`), which hydra would read as a sweep
+    assert translate_argv("bench", ["baseline=hf,llamacpp"]) == ["baseline='hf,llamacpp'"]
+    assert translate_argv("bench", ["baseline='hf,llamacpp'"]) == ["baseline='hf,llamacpp'"]
     with pytest.raises(SpecquantError, match="unexpected argument"):
         translate_argv("generate", ["hello"])
 

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from toolkit.bench.latency import kv_bytes_per_token, weight_bytes_per_token
 from toolkit.diagnose import whatifs
@@ -20,10 +19,11 @@ from toolkit.diagnose.workload import input_stats
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import cpu_has_native_bf16
 from toolkit.engine.setup import load_engine_model
+from toolkit.engine.spec import EngineSpec
 from toolkit.evaluation.generation import token_agreement
 from toolkit.timing import GenerationTiming
 
-ENGINE = OmegaConf.create({"device": "cpu", "dtype": "fp32", "weight_dtype": "auto", "threads": 1, "compile": False})
+ENGINE = EngineSpec(dtype="fp32", threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_the_bf16_prefill_whatif_runs_a_bf16_prepared_copy_and_says_when_it_does
     import toolkit.engine.precision as precision
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
-    half = OmegaConf.merge(ENGINE, {"dtype": "auto"})  # fp16-stored weights, fp32 activations
+    half = ENGINE.replace(dtype="auto")  # fp16-stored weights, fp32 activations
     loaded = load_engine_model(str(tiny_llama_dir), half)
     options, notes = whatifs.build_options(["bf16-prefill"], loaded.model, str(tiny_llama_dir), half, None, None,
                                            loaded.tokenizer, quantized_input=False)

@@ -20,6 +20,7 @@ from toolkit.evaluation.metrics import Accumulator, kl_sum, perplexity, target_l
 from toolkit.evaluation.perplexity import score_windows
 from toolkit.evaluation.suite import resolve_tasks
 from toolkit.evaluation.windows import make_windows
+from toolkit.kv import KVSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,7 +90,7 @@ def test_feeding_windows_through_the_fp_cache_matches_one_pass(tiny_model, tiny_
     model, _ = tiny_model
     windows, _ = make_windows(tiny_tokenizer, pydoc_texts, window=40, max_windows=2)
     whole = window_logits(model, windows)
-    chunked = window_logits(model, windows, "fp", chunk=16)
+    chunked = window_logits(model, windows, KVSpec(), chunk=16)
     torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)
 
 
@@ -118,9 +119,9 @@ def test_shared_context_scoring_matches_one_plain_pass_per_pair(tiny_model, tiny
     assert all(c[0] == tiny_tokenizer.bos_token_id for c, _ in encoded)
     plain = _plain_scores(model, encoded)
     # int8 with a residual window longer than any passage: the cache hands back exactly what it stored
-    kv_cfg = "fp" if kv == "fp" else {"kind": "int8", "residual": 128}
+    kv = KVSpec("fp") if kv == "fp" else KVSpec.from_node({"kind": "int8", "residual": 128})
     for batch_size in (1, 3, 16):  # a group of four never splits: batch 1 and 3 still hold the shared context whole
-        got = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, batch_size, kv_cfg)
+        got = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, batch_size, kv)
         for a, b in zip(got, plain):
             assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-3)
             assert a["greedy"] == b["greedy"]
@@ -130,9 +131,9 @@ def test_a_quantized_cache_changes_continuation_scores_when_it_is_read(tiny_mode
     model, _ = tiny_model
     context = " ".join(["Names refer to objects and are introduced by name binding operations."] * 6)
     encoded = encode_pairs(tiny_tokenizer, [(context, " operations"), (context, " statements")], max_context=64)
-    fp = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, 16, "fp")
+    fp = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, 16, KVSpec())
     int2 = score_continuations(model, encoded, tiny_tokenizer.pad_token_id, 16,
-                               {"kind": "int2", "residual": 0, "group_size": 16})
+                               KVSpec.from_node({"kind": "int2", "residual": 0, "group_size": 16}))
     assert any(abs(a["logprob"] - b["logprob"]) > 1e-3 for a, b in zip(fp, int2))
 
 
@@ -225,8 +226,8 @@ def test_a_quantized_kv_cache_is_read_back_and_shows_in_the_figures(tiny_llama_d
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     settings = Settings(window=48, max_windows=2, chunk=128)  # chunk > window: clamped so the cache is read
     # a short full-precision residual so 48-token windows reach the quantized part (the default keeps 128 tokens)
-    kv = OmegaConf.create({"kind": "int2", "bits": 2, "group_size": 8, "residual": 8})
-    out = run_tasks(model, tiny_tokenizer, pydoc_texts, ["ppl"], settings, reference=model, kv_cfg=kv,
+    kv = KVSpec.from_node(OmegaConf.create({"kind": "int2", "bits": 2, "group_size": 8, "residual": 8}))
+    out = run_tasks(model, tiny_tokenizer, pydoc_texts, ["ppl"], settings, reference=model, kv=kv,
                     log=lambda line: None)
     assert out["protocol"]["ppl"]["chunk"] == 24 and out["protocol"]["ppl"]["kv"] == "int2"
     assert out["figures"]["kl"] > 1e-4

@@ -196,20 +196,20 @@ def test_engine_and_cli_load_exported_directories(llama, tiny_tokenizer, tmp_pat
 
     from tests.test_cli import specquant
     from toolkit.engine.setup import load_engine_model
+    from toolkit.engine.spec import EngineSpec
 
     ck = _checkpoint(tmp_path_factory, llama, tiny_tokenizer, QuantRecipe(bits=4, group_size=32, symmetric=False))
     out = ck.with_name("cli-awq")
     run = specquant("export", f"model={ck}", "format=awq", f"out={out}")
     assert run.returncode == 0, run.stderr
-    loaded = load_engine_model(str(out), OmegaConf.create(
-        {"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": None, "compile": False}))
+    loaded = load_engine_model(str(out), EngineSpec())
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 14 and loaded.name.startswith("tiny-llama")
     from toolkit.cli.export import run as export_run
     from toolkit.errors import InputError
 
     with pytest.raises(InputError, match="format"):
-        export_run(OmegaConf.create({"model": {"name": str(ck)}, "format": "gguf", "out": None, "force": False}))
+        export_run(OmegaConf.create({"model": {"name": str(ck)}, "format": "onnx", "out": None, "force": False}))
     with pytest.raises(InputError, match="not a specquant quantized checkpoint"):
         export_run(OmegaConf.create({"model": {"name": str(out)}, "format": "gptq", "out": None, "force": False}))
 

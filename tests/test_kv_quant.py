@@ -7,7 +7,7 @@ import torch
 from toolkit.engine.generate import generate
 from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.errors import InputError
-from toolkit.kv import Int4View, KVQuantConfig, QuantizedKVCache, make_kv_cache, quant_config
+from toolkit.kv import Int4View, KVQuantConfig, KVSpec, QuantizedKVCache, make_kv_cache, quant_config
 from toolkit.kv.memory import model_kv_shape, quantized_kv_bytes
 from toolkit.kv.quantize import (
     CLIP_GRID,
@@ -92,9 +92,14 @@ def test_residual_covering_the_sequence_is_bit_exact_with_fp(llama):
     ids = _ids(40)
     fp = _run(model, ContiguousKVCache.for_model(model, 64), ids, [17, 1, 1, 8, 13])
     for kind in ("int8", "int4", "int2"):
-        cache = make_kv_cache(model, 64, {"kind": kind, "residual": 64, "group_size": 8})
+        cache = _cache(model, 64, {"kind": kind, "residual": 64, "group_size": 8})
         assert torch.equal(_run(model, cache, ids, [17, 1, 1, 8, 13]), fp)
         assert cache.layers[0].quantized == 0
+
+
+def _cache(model, length: int, kv):
+    """make_kv_cache on a kv node or kind name, resolved once as the CLI resolves it."""
+    return make_kv_cache(model, length, KVSpec.from_node(kv))
 
 
 def _qc(layers: int, length: int, cfg) -> QuantizedKVCache:
@@ -233,10 +238,10 @@ def test_crop_then_append_in_a_model_equals_the_same_run_stopped_there(llama):
     model, _ = llama
     cfg = {"kind": "int4", "residual": 8, "group_size": 8}
     ids = _ids(52, seed=1)
-    cache = make_kv_cache(model, 64, cfg)
+    cache = _cache(model, 64, cfg)
     _run(model, cache, ids, [20, 1, 1, 1, 9, 5, 3])
     cache.crop(37)  # un-flushes [24, 32)
-    fresh = make_kv_cache(model, 64, cfg)  # the same chunks (a GEMM over 3 rows may round unlike one over 5)
+    fresh = _cache(model, 64, cfg)  # the same chunks (a GEMM over 3 rows may round unlike one over 5)
     _run(model, fresh, ids, [20, 1, 1, 1, 9, 5])
     assert all(torch.equal(a, b) for a, b in zip(_state(cache), _state(fresh), strict=True))
     assert torch.equal(_run(model, cache, ids, [1, 16]), _run(model, fresh, ids, [1, 16]))
@@ -244,22 +249,22 @@ def test_crop_then_append_in_a_model_equals_the_same_run_stopped_there(llama):
 
 def test_crop_deeper_than_the_shadow_raises_and_crop_to_zero_resets(llama):
     model, _ = llama
-    cache = make_kv_cache(model, 64, {"kind": "int4", "residual": 8, "group_size": 8})
+    cache = _cache(model, 64, {"kind": "int4", "residual": 8, "group_size": 8})
     _run(model, cache, _ids(40), [40])
     with pytest.raises(InputError, match="exactly"):
         cache.crop(12)  # a fresh cache of 12 holds all 12 in full precision; the shadows keep the last 24: [8, 32)
     assert cache.length == 40
     cache.crop(0)
     assert cache.length == 0 and cache.layers[0].quantized == 0
-    fresh = make_kv_cache(model, 64, {"kind": "int4", "residual": 8, "group_size": 8})
+    fresh = _cache(model, 64, {"kind": "int4", "residual": 8, "group_size": 8})
     assert torch.equal(_run(model, cache, _ids(30), [30]), _run(model, fresh, _ids(30), [30]))
 
 
 def test_cached_float_copy_reads_the_same_values(llama):
     model, _ = llama
     ids = _ids(50, seed=2)
-    full = make_kv_cache(model, 64, {"kind": "int4", "residual": 8, "group_size": 8})
-    cached = make_kv_cache(model, 64, {"kind": "int4", "residual": 8, "group_size": 8, "dequant": "cached"})
+    full = _cache(model, 64, {"kind": "int4", "residual": 8, "group_size": 8})
+    cached = _cache(model, 64, {"kind": "int4", "residual": 8, "group_size": 8, "dequant": "cached"})
     a = _run(model, full, ids, [20, 1, 1, 10])
     b = _run(model, cached, ids, [20, 1, 1, 10])
     assert torch.equal(a, b)
@@ -275,7 +280,7 @@ def test_memory_formula_equals_the_real_tensor_bytes(llama, kind, group, residua
     model, _ = llama
     cfg = {"kind": kind[:4], "residual": residual, "group_size": group, "crop_shadow": shadow,
            "hierarchical": kind == "int8h", "rollback": rollback, "sink": sink}
-    cache = make_kv_cache(model, 64, cfg)
+    cache = _cache(model, 64, cfg)
     shape = model_kv_shape(model)
     ids = _ids(60, seed=3)
     for size in [5, 1, 13, 1, 1, 20, 19]:
@@ -305,8 +310,8 @@ def test_int4_view_reads_the_high_planes_of_the_same_memory(llama):
     model, _ = llama
     ids = _ids(48, seed=4)
     cfg = {"kind": "int8", "residual": 8, "group_size": 8, "hierarchical": True}
-    cache = make_kv_cache(model, 64, cfg)
-    plain = make_kv_cache(model, 64, {**cfg, "hierarchical": False})
+    cache = _cache(model, 64, cfg)
+    plain = _cache(model, 64, {**cfg, "hierarchical": False})
     # hierarchical storage reads back exactly the plain INT8 values
     assert torch.equal(_run(model, cache, ids, [30]), _run(model, plain, ids, [30]))
     assert torch.equal(_run(model, cache, ids, [1]), _run(model, plain, ids, [1]))
@@ -337,7 +342,7 @@ def test_config_errors_name_the_fix():
     with pytest.raises(InputError, match="kv=int4"):
         quant_config({"kind": "int8", "bits": 4})
     with pytest.raises(InputError, match="one of"):
-        make_kv_cache(None, 8, "int3")
+        _cache(None, 8, "int3")
 
 
 # ---- generation ----------------------------------------------------------------------------------------------
@@ -348,11 +353,11 @@ def test_transformers_generate_runs_on_the_cache_and_matches_the_engine(llama, r
     prompt = "def quantize(x, bits):\n    return"
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     cfg = {"kind": "int4", "residual": residual, "group_size": 8}
-    cache = make_kv_cache(model, ids.shape[1] + 30, cfg)
+    cache = _cache(model, ids.shape[1] + 30, cfg)
     with torch.inference_mode():
         out = model.generate(ids, past_key_values=cache, max_new_tokens=30, do_sample=False, min_new_tokens=30,
                              pad_token_id=tokenizer.pad_token_id)
-    ours = generate(model, tokenizer, [prompt], 30, stop_tokens=set(), kv=cfg)
+    ours = generate(model, tokenizer, [prompt], 30, stop_tokens=set(), kv=KVSpec.from_node(cfg))
     theirs = out[0, ids.shape[1]:].tolist()
     assert ours.kv_bytes == cache.nbytes
     if residual == 64:  # nothing quantized: the same tokens as the engine's
@@ -367,10 +372,11 @@ def test_left_padded_batch(llama):
     prompts = ["def f(x):\n    return x + 1\n\nclass Point:", "import os"]
     exact = {"kind": "int8", "residual": 64, "group_size": 8}
     fp = generate(model, tokenizer, prompts, 20, stop_tokens=set())
-    same = generate(model, tokenizer, prompts, 20, stop_tokens=set(), kv=exact)
+    same = generate(model, tokenizer, prompts, 20, stop_tokens=set(), kv=KVSpec.from_node(exact))
     assert [s.token_ids for s in same.sequences] == [s.token_ids for s in fp.sequences]
-    quant = generate(model, tokenizer, prompts, 20, stop_tokens=set(), kv={**exact, "residual": 8})
-    alone = [generate(model, tokenizer, [p], 20, stop_tokens=set(), kv={**exact, "residual": 8}) for p in prompts]
+    short = KVSpec.from_node({**exact, "residual": 8})
+    quant = generate(model, tokenizer, prompts, 20, stop_tokens=set(), kv=short)
+    alone = [generate(model, tokenizer, [p], 20, stop_tokens=set(), kv=short) for p in prompts]
     for row in range(2):  # padding rows quantize with the pads in their first groups: near, not equal, to alone
         a, b = quant.sequences[row].token_ids, alone[row].sequences[0].token_ids
         assert sum(x == y for x, y in zip(a, b)) >= 15
@@ -386,7 +392,7 @@ def test_logit_error_grows_as_bits_shrink(llama):
     ids = _ids(60, seed=5)
     chunks = [16] + [4] * 11
     fp = _run(model, ContiguousKVCache.for_model(model, 64), ids, chunks)
-    err = {b: (_run(model, make_kv_cache(model, 64, {"kind": f"int{b}", "residual": 8, "group_size": 8}), ids, chunks)
+    err = {b: (_run(model, _cache(model, 64, {"kind": f"int{b}", "residual": 8, "group_size": 8}), ids, chunks)
                - fp).abs().mean().item() for b in (8, 4, 2)}
     assert 0 < err[8] < err[4] < err[2]
     assert err[8] < 0.02 * fp.abs().mean().item()
@@ -400,7 +406,7 @@ def test_int8_greedy_generation_agrees_with_fp_smollm2(smollm2):
     ids = smollm2.tokenizer(text).input_ids[:400]
     fp = generate(smollm2.model, smollm2.tokenizer, [ids], 64, stop_tokens=set()).sequences[0].token_ids
     q = generate(smollm2.model, smollm2.tokenizer, [ids], 64, stop_tokens=set(),
-                 kv={"kind": "int8", "residual": 32, "group_size": 32}).sequences[0].token_ids
+                 kv=KVSpec.from_node({"kind": "int8", "residual": 32, "group_size": 32})).sequences[0].token_ids
     agreement = _agreement(q, fp)
     print(f"SmolLM2 int8 KV (g32 r32) greedy agreement with fp over 64 tokens after 400: {agreement:.3f}")
     assert agreement >= 0.9
@@ -409,19 +415,21 @@ def test_int8_greedy_generation_agrees_with_fp_smollm2(smollm2):
 def test_speculation_sizes_the_caches_rollback_for_its_verify_pass(llama):
     # kv.rollback defaults to 1 (a decode step); a speculative loop with k = 8 rolls back up to 9 tokens, so it
     # raises the rollback of the caches it makes, and its greedy output stays the target's with the same cache.
-    from toolkit.kv.config import with_rollback
     from toolkit.spec.decode import DraftLength, speculative_generate
     from toolkit.spec.drafts import LookupDraft
 
     model, tokenizer = llama
-    kv = {"kind": "int4", "group_size": 8, "residual": 8}
-    assert quant_config(kv).rollback == 1
-    assert with_rollback(kv, 9, "a test")["rollback"] == 9 and with_rollback("int4", 9, "a test")["rollback"] == 9
-    assert with_rollback({**kv, "rollback": 20}, 9, "a test")["rollback"] == 20 and with_rollback("fp", 9, "") == "fp"
+    node = {"kind": "int4", "group_size": 8, "residual": 8}
+    kv = KVSpec.from_node(node)
+    assert kv.quant.rollback == 1
+    assert kv.with_rollback(9, "a test").quant.rollback == 9
+    assert KVSpec.from_node("int4").with_rollback(9, "a test").quant.rollback == 9
+    assert KVSpec.from_node({**node, "rollback": 20}).with_rollback(9, "a test").quant.rollback == 20
+    assert KVSpec.from_node("fp").with_rollback(9, "") == KVSpec()
     # the default keeps one step's worth (8 tokens: a crop of 1 can un-flush a chunk of 8); a 17-token pass does not
     ids = _ids(60, seed=11)
     for rollback, raises in ((None, True), (17, False)):
-        cache = make_kv_cache(model, 64, kv if rollback is None else with_rollback(kv, rollback, "a test"))
+        cache = make_kv_cache(model, 64, kv if rollback is None else kv.with_rollback(rollback, "a test"))
         _run(model, cache, ids, [40, 17])
         if raises:
             with pytest.raises(InputError, match="exactly"):
@@ -435,7 +443,7 @@ def test_speculation_sizes_the_caches_rollback_for_its_verify_pass(llama):
     assert got.sequences[0].token_ids == want
     with pytest.raises(InputError, match="kv.residual>=9"):
         speculative_generate(model, tokenizer, ["hello there"], 4, LookupDraft(), DraftLength(k=8),
-                             kv={**kv, "crop_shadow": False})
+                             kv=KVSpec.from_node({**node, "crop_shadow": False}))
 
 
 # ---- what we add at low bits: value clip, pre-RoPE keys, sink tokens ------------------------------------------
@@ -513,7 +521,7 @@ def test_pre_rope_reads_the_models_own_rotary_frequencies(tiny_llama_dir, tiny_g
         assert f is want
     if name == "gemma3":
         assert len({id(f) for f in freqs}) == 2
-    cache = make_kv_cache(model, 64, {"kind": "int2", "residual": 8, "group_size": 8})
+    cache = _cache(model, 64, {"kind": "int2", "residual": 8, "group_size": 8})
     ids = _ids(40, seed=9)
     ref = _run(model, ContiguousKVCache.for_model(model, 64), ids, [40])
     got = _run(model, cache, ids, [20, 1, 1, 18])

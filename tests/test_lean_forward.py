@@ -64,9 +64,9 @@ def fp_cache(model):
 
 
 def int4_cache(model):
-    from toolkit.kv import make_kv_cache
+    from toolkit.kv import KVSpec, make_kv_cache
 
-    return make_kv_cache(model, 64, "int4")
+    return make_kv_cache(model, 64, KVSpec("int4"))
 
 
 @pytest.mark.parametrize("cache_factory", [fp_cache, int4_cache], ids=["fp-kv", "int4-kv"])
@@ -115,13 +115,11 @@ def test_fused_fbgemm_projections_give_the_transformers_forwards_logits(float_mo
 
 
 def test_engine_generate_gives_the_same_tokens_with_either_forward(tiny_llama_dir):
-    from omegaconf import OmegaConf
-
-    from toolkit.engine.setup import load_engine_model
+    from toolkit.engine.setup import default_engine_config, load_engine_model
 
     results = {}
     for choice in ("transformers", "lean"):
-        cfg = OmegaConf.merge(OmegaConf.load("conf/engine/default.yaml"), {"forward": choice})
+        cfg = default_engine_config(forward=choice)
         loaded = load_engine_model(str(tiny_llama_dir), cfg)
         assert loaded.model.specquant_forward == choice
         out = generate(loaded.model, loaded.tokenizer, ["The syntax of", "A class is a"], new_tokens=12)

@@ -43,5 +43,6 @@ def test_llama_cpp_runs_beside_the_engine_on_the_same_prompts(smollm2, tmp_path)
         pytest.skip(llamacpp.unavailable())
     result = _bench("smollm2-135m", "llamacpp", tmp_path)
     peer = result["llamacpp"]
-    assert peer["dtype"] == "llama.cpp F16" and peer["new_tokens"] == 4 and peer["decode_tokens_per_s"] > 0
+    assert peer["dtype"] == "llama.cpp F16, same weights" and peer["weights"] == "same weights"  # our export
+    assert peer["new_tokens"] == 4 and peer["decode_tokens_per_s"] > 0
     assert 0 <= result["greedy_token_agreement_vs_llamacpp"] <= 1 and result["speedup_vs_llamacpp"] > 0

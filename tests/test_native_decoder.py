@@ -157,7 +157,7 @@ def test_one_token_is_the_general_call_bit_for_bit(native_model, monkeypatch):
     the cache contents of the general call, bit for bit, and so do RaggedBatch's one-token feed and the engine's
     decode step, which take it;
     where the stack cannot run the call (a quantized cache, a token past the embedding) it answers None."""
-    from toolkit.kv import make_kv_cache
+    from toolkit.kv import KVSpec, make_kv_cache
     from toolkit.spec.ragged import RaggedBatch
 
     torch.manual_seed(0)
@@ -185,7 +185,7 @@ def test_one_token_is_the_general_call_bit_for_bit(native_model, monkeypatch):
                 stepped = decode_step(native_model, torch.tensor([[token]]), None, torch.tensor([[position]]), caches[3])
             assert torch.equal(stepped, general[:, -1])
         assert ragged.counts.tolist() == [14]
-        quantized = make_kv_cache(native_model, 64, "int4")
+        quantized = make_kv_cache(native_model, 64, KVSpec("int4"))
         native_model(input_ids=torch.tensor([ids[:9]]), cache=quantized, use_cache=True)
         assert lean.one_token(ids[9], 9, quantized) is None
         assert lean.one_token(native_model.config.vocab_size + 5, 14, caches[1]) is None
@@ -196,7 +196,7 @@ def test_one_token_is_the_general_call_bit_for_bit(native_model, monkeypatch):
 
 def test_calls_it_cannot_run_take_the_torch_path(native_model):
     """A batch of two, a quantized KV cache: the lean forward's torch operators, bit for bit."""
-    from toolkit.kv import make_kv_cache
+    from toolkit.kv import KVSpec, make_kv_cache
 
     torch_path = LeanForward(native_model, native=False)
     assert all(torch.equal(a, b) for a, b in zip(script(native_model.forward, native_model, batch=2),
@@ -204,7 +204,7 @@ def test_calls_it_cannot_run_take_the_torch_path(native_model):
     ids = torch.randint(4, native_model.config.vocab_size, (1, 12))
     results = []
     for forward in (native_model.forward, torch_path):
-        cache = make_kv_cache(native_model, 64, "int4")
+        cache = make_kv_cache(native_model, 64, KVSpec("int4"))
         with torch.inference_mode():
             forward(input_ids=ids[:, :8], cache=cache, use_cache=True)
             results.append(forward(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits)

@@ -13,6 +13,7 @@ from toolkit.engine.native_decoder import library
 from toolkit.engine.precision import Precision, prepare_model
 from toolkit.engine.setup import use_native_dot
 from toolkit.errors import InputError
+from toolkit.kv import KVSpec
 from toolkit.quant import vnni
 
 pytestmark = pytest.mark.skipif(library() is None or not vnni.available(),
@@ -75,7 +76,7 @@ def test_every_product_runs_int8_activations_close_to_the_exact_stack(int4_model
                             cache=cache, use_cache=True).logits]
     assert torch.equal(torch.cat(parts, dim=1), approx)
     with pytest.raises(InputError, match="full-precision KV cache"):
-        window_logits(int4_model, ids, "int4")
+        window_logits(int4_model, ids, KVSpec("int4"))
 
 
 def test_speculative_greedy_output_at_int8_is_the_target_alone(int4_model, tiny_tokenizer):

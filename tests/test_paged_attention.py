@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from toolkit.engine.generate import paged_forward
+from toolkit.kv import KVSpec
 from toolkit.kv.paged import PagedKVCache
 from toolkit.kv.paged.attention import PAGED_ATTENTION, bucket_rows, use_paged_attention
 from toolkit.kv.paged.quantized_storage import paged_cache_for
@@ -92,7 +93,7 @@ def test_bucketed_equals_padded_and_each_row_alone(paged_model, kv, q):
     if kv == "fp":
         cache = PagedKVCache(model, num_blocks=160, block_size=8, prefix_cache=False)
     else:  # a residual window shorter than the rows: sealed (quantized) blocks are read too
-        cache = paged_cache_for(model, {"kind": "int8", "bits": 8, "group_size": 8, "residual": 16}, 160, 8,
+        cache = paged_cache_for(model, KVSpec.from_node({"kind": "int8", "group_size": 8, "residual": 16}), 160, 8,
                                 prefix_cache=False, max_sequences=len(LENGTHS), step_tokens=q, prefill_tokens=300)
     assert cache.bucketed
     seqs = _prefilled(model, cache, LENGTHS)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from toolkit.errors import InputError
+from toolkit.kv import KVSpec
 from toolkit.kv.paged import OutOfBlocks, PagedKVCache
 from toolkit.kv.paged.quantized_storage import (
     QuantizedBlockStorage,
@@ -81,7 +82,7 @@ def test_residual_covering_the_sequences_is_bit_exact_with_fp(tiny_model, kind):
     prompts = _prompts(tokenizer)
     fp = PagedKVCache(model, num_blocks=64, block_size=8)
     _, fp_tokens, fp_logits = _generate(model, fp, prompts, 12)
-    cache = paged_cache_for(model, {"kind": kind, "residual": 128}, num_blocks=64, block_size=8)
+    cache = paged_cache_for(model, KVSpec.from_node({"kind": kind, "residual": 128}), num_blocks=64, block_size=8)
     seqs, tokens, logits = _generate(model, cache, prompts, 12)
     assert isinstance(cache.storage, QuantizedBlockStorage) and not any(cache.storage.sealed)
     assert tokens == fp_tokens
@@ -94,7 +95,7 @@ def test_sealed_blocks_change_little_and_free_their_staging(tiny_model, kind):
     model, tokenizer = tiny_model
     prompts = _prompts(tokenizer)
     _, _, fp_logits = _generate(model, PagedKVCache(model, num_blocks=64, block_size=8), prompts, 12)
-    cache = paged_cache_for(model, {"kind": kind, "residual": 8}, num_blocks=64, block_size=8)
+    cache = paged_cache_for(model, KVSpec.from_node({"kind": kind, "residual": 8}), num_blocks=64, block_size=8)
     seqs, _, logits = _generate(model, cache, prompts, 12)
     storage = cache.storage
     assert all(s.sealed == max(0, s.length - 8) // 8 for s in seqs)
@@ -188,7 +189,7 @@ def test_cache_copy_on_write_of_a_shared_block(tiny_model):
     model, tokenizer = tiny_model
     prompt = _prompts(tokenizer)[3]  # 64 tokens
     kv = {"kind": "int4", "residual": 20}
-    cache = paged_cache_for(model, kv, num_blocks=64, block_size=8)
+    cache = paged_cache_for(model, KVSpec.from_node(kv), num_blocks=64, block_size=8)
     (a,), (first,), _ = _generate(model, cache, [prompt], 1)
     b = cache.new_sequence(prompt + [7, 8])  # reuses 8 blocks, some sealed by a
     assert b.cached_tokens == 64 and b.sealed == a.sealed > 0
@@ -200,7 +201,7 @@ def test_cache_copy_on_write_of_a_shared_block(tiny_model):
         cache.commit()
     assert b.blocks[-1] != shared and a.blocks[-1] == shared and cache.pool.stats.cow_copies == 1
     # a continues exactly as a cache that held only a
-    alone = paged_cache_for(model, kv, num_blocks=64, block_size=8)
+    alone = paged_cache_for(model, KVSpec.from_node(kv), num_blocks=64, block_size=8)
     _, ref_tokens, ref_logits = _generate(model, alone, [prompt], 6, reuse_prefix=False)
     tokens, logits = _continue(model, cache, a, first[0], 5)
     assert tokens == ref_tokens[0][1:] and torch.equal(logits, ref_logits)
@@ -225,7 +226,7 @@ def _continue(model, cache, seq, token, steps):
 def test_crop_inside_the_residual_window_works_and_into_a_sealed_block_raises(tiny_model):
     model, tokenizer = tiny_model
     prompt = _prompts(tokenizer)[3][:50]
-    cache = paged_cache_for(model, {"kind": "int4", "residual": 12}, num_blocks=32, block_size=8)
+    cache = paged_cache_for(model, KVSpec.from_node({"kind": "int4", "residual": 12}), num_blocks=32, block_size=8)
     (seq,), _, _ = _generate(model, cache, [prompt], 1)
     assert seq.sealed == (50 - 12) // 8 == 4  # tokens 0..31
     with torch.inference_mode():  # a speculative verify of 4 tokens
@@ -247,7 +248,7 @@ def test_crop_then_append_equals_a_fresh_cache_when_nothing_new_seals(tiny_model
     model, tokenizer = tiny_model
     prompt = _prompts(tokenizer)[0]  # 40 tokens
     kv = {"kind": "int8", "residual": 16}
-    cache = paged_cache_for(model, kv, num_blocks=32, block_size=8)
+    cache = paged_cache_for(model, KVSpec.from_node(kv), num_blocks=32, block_size=8)
     (seq,), (first,), _ = _generate(model, cache, [prompt], 1)  # 40 tokens: blocks 0..2 sealed
     with torch.inference_mode():
         positions, mask = cache.bind([seq], [[9, 10]])
@@ -256,7 +257,7 @@ def test_crop_then_append_equals_a_fresh_cache_when_nothing_new_seals(tiny_model
     assert seq.sealed == 3
     cache.crop_sequence(seq, 40)
     tokens, logits = _continue(model, cache, seq, first[0], 4)
-    fresh = paged_cache_for(model, kv, num_blocks=32, block_size=8)
+    fresh = paged_cache_for(model, KVSpec.from_node(kv), num_blocks=32, block_size=8)
     _, ref_tokens, ref_logits = _generate(model, fresh, [prompt], 5)
     assert tokens == ref_tokens[0][1:] and torch.equal(logits, ref_logits)
 
@@ -276,21 +277,21 @@ def test_bytes_formula_equals_the_real_tensor_bytes(bits, dim, group, block):
 
 def test_plan_pool_fits_the_budget_and_the_staging_need(tiny_model):
     model, _ = tiny_model
-    plan = plan_pool(model, "int4", 1_000_000, block_size=8, max_sequences=2, prefill_tokens=64)
+    plan = plan_pool(model, KVSpec.from_node("int4"), 1_000_000, block_size=8, max_sequences=2, prefill_tokens=64)
     assert plan.staging_slots == staging_slots_for(8, 128, 2, 1, 64) == 2 * (17 + 1) + 8
-    storage = paged_storage_for(model, "int4", plan.num_blocks, 8, staging_slots=plan.staging_slots)
+    storage = paged_storage_for(model, KVSpec.from_node("int4"), plan.num_blocks, 8, staging_slots=plan.staging_slots)
     assert storage.nbytes == plan.nbytes <= 1_000_000
     fp_blocks = 1_000_000 // PagedKVCache.bytes_per_block(model, 8)
     assert plan.num_blocks > fp_blocks  # more tokens fit than in fp blocks
     with pytest.raises(InputError, match="budget"):
-        plan_pool(model, "int4", 10_000, block_size=8, max_sequences=8)
+        plan_pool(model, KVSpec.from_node("int4"), 10_000, block_size=8, max_sequences=8)
 
 
 # ---- staging ---------------------------------------------------------------------------------------------------------
 
 def test_running_out_of_staging_raises_out_of_blocks(tiny_model):
     model, tokenizer = tiny_model
-    cache = PagedKVCache(model, 32, 8, storage=paged_storage_for(model, "int8", 32, 8, staging_slots=4))
+    cache = PagedKVCache(model, 32, 8, storage=paged_storage_for(model, KVSpec("int8"), 32, 8, staging_slots=4))
     with pytest.raises(OutOfBlocks, match="staging"):
         _generate(model, cache, [_prompts(tokenizer)[3]], 1)  # a 64-token prefill stages 8 blocks at once
 
@@ -300,7 +301,7 @@ def test_attached_storage_takes_staging_back_from_idle_blocks(tiny_model):
     whose slots the next requests take (evicting cached ones); outputs equal the fp cache's (nothing sealed)."""
     model, tokenizer = tiny_model
     prompts = [p[:20] for p in _prompts(tokenizer)]
-    cache = paged_cache_for(model, {"kind": "int4", "residual": 64}, 48, 8, staging_slots=6)
+    cache = paged_cache_for(model, KVSpec.from_node({"kind": "int4", "residual": 64}), 48, 8, staging_slots=6)
     fp = PagedKVCache(model, 48, 8)
     for prompt in prompts:
         assert cache.storage.staging_available == 6  # every slot is free or held by an idle block
@@ -316,7 +317,7 @@ def test_attached_storage_takes_staging_back_from_idle_blocks(tiny_model):
 
 def test_without_prefix_caching_freed_blocks_give_their_staging_back(tiny_model):
     model, tokenizer = tiny_model
-    cache = paged_cache_for(model, "int8", 48, 8, prefix_cache=False, staging_slots=5)
+    cache = paged_cache_for(model, KVSpec.from_node("int8"), 48, 8, prefix_cache=False, staging_slots=5)
     for prompt in _prompts(tokenizer):
         (seq,), _, _ = _generate(model, cache, [prompt[:30]], 6)
         cache.free(seq)
@@ -327,15 +328,15 @@ def test_without_prefix_caching_freed_blocks_give_their_staging_back(tiny_model)
 
 def test_factory_picks_the_storage_from_the_kv_config(tiny_model):
     model, _ = tiny_model
-    assert isinstance(paged_storage_for(model, None, 8, 8), FPBlockStorage)
-    assert isinstance(paged_storage_for(model, "fp", 8, 8), FPBlockStorage)
-    s = paged_storage_for(model, {"kind": "int2", "residual": 32, "group_size": 8}, 40, 8)
+    assert isinstance(paged_storage_for(model, KVSpec.from_node(None), 8, 8), FPBlockStorage)
+    assert isinstance(paged_storage_for(model, KVSpec.from_node("fp"), 8, 8), FPBlockStorage)
+    s = paged_storage_for(model, KVSpec.from_node({"kind": "int2", "residual": 32, "group_size": 8}), 40, 8)
     assert (s.bits, s.residual_tokens, s.value_group) == (2, 32, 8)
     assert s.staging_slots == min(40, staging_slots_for(8, 32, 8, 1, 2048))
     with pytest.raises(InputError, match="hierarchical"):
-        paged_storage_for(model, {"kind": "int8", "hierarchical": True}, 8, 8)
+        paged_storage_for(model, KVSpec.from_node({"kind": "int8", "hierarchical": True}), 8, 8)
     with pytest.raises(InputError):
-        paged_storage_for(model, "int3", 8, 8)
+        paged_storage_for(model, KVSpec.from_node("int3"), 8, 8)
 
 
 # ---- the real model --------------------------------------------------------------------------------------------------
@@ -349,7 +350,7 @@ def test_int8_paged_generation_agrees_with_fp_smollm2(smollm2):
     prompts = [tokenizer(text[i * 3000:(i + 1) * 3000]).input_ids[:n] for i, n in enumerate((300, 180, 240))]
     steps = 48
     _, fp_tokens, _ = _generate(model, PagedKVCache(model, 200, 16), prompts, steps)
-    cache = paged_cache_for(model, {"kind": "int8", "residual": 32, "group_size": 32}, 200, 16)
+    cache = paged_cache_for(model, KVSpec.from_node({"kind": "int8", "residual": 32, "group_size": 32}), 200, 16)
     seqs, tokens, _ = _generate(model, cache, prompts, steps)
     assert all(s.sealed >= (s.length - 32) // 16 - 1 > 0 for s in seqs)
     same = sum(a == b for x, y in zip(tokens, fp_tokens) for a, b in zip(x, y))
@@ -362,7 +363,7 @@ def test_int8_paged_generation_agrees_with_fp_smollm2(smollm2):
 def test_a_storage_built_in_inference_mode_is_sealed_and_reset_outside_it(tiny_model):
     model, tokenizer = tiny_model
     with torch.inference_mode():  # as a server builds it; bind/commit then run outside (seal, reset, copy)
-        cache = paged_cache_for(model, {"kind": "int4", "residual": 8}, 32, 8)
+        cache = paged_cache_for(model, KVSpec.from_node({"kind": "int4", "residual": 8}), 32, 8)
     prompt = _prompts(tokenizer)[0]
     for tokens in (prompt, prompt[:20] + [9, 9]):  # the second reuses 2 sealed blocks and writes into fresh ones
         seq = cache.new_sequence(tokens)

@@ -73,16 +73,14 @@ def test_a_peer_dump_runs_exactly_as_our_checkpoint_of_the_same_codes(llama, tin
 
 
 def test_the_engine_labels_a_peer_checkpoint_with_the_peers_method(llama, tiny_llama_dir, tmp_path):
-    from omegaconf import OmegaConf
-
     from toolkit.engine.setup import load_engine_model
+    from toolkit.engine.spec import EngineSpec
 
     qsd = quantize_model(llama, QuantRecipe(bits=4, group_size=32, symmetric=False), progress=False)
     _peer_dump(llama, tmp_path / "d.safetensors", qsd, tool="auto-round", method="autoround")
     out = checkpoint_from_dump(tmp_path / "d.safetensors", str(tiny_llama_dir), tmp_path / "ck")
     assert read_manifest(out)["recipe"]["method"] == "rtn"  # our nearest
-    loaded = load_engine_model(str(out), OmegaConf.create(
-        {"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": None, "compile": False}))
+    loaded = load_engine_model(str(out), EngineSpec())
     assert loaded.model.specquant_quant_label.startswith("auto-round autoround int4 g32")
 
 

@@ -28,14 +28,12 @@ def test_quantize_writes_a_checkpoint_that_generate_runs(int4_checkpoint):
 
 
 def test_loaded_checkpoint_runs_low_bit_kernels_and_holds_no_float_weights(int4_checkpoint):
-    from omegaconf import OmegaConf
-
     from toolkit.engine.setup import load_engine_model
+    from toolkit.engine.spec import EngineSpec
     from toolkit.quant import qlinear
     from toolkit.quant.qlinear import QuantLinear
 
-    loaded = load_engine_model(str(int4_checkpoint), OmegaConf.create(
-        {"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": None, "compile": False}))
+    loaded = load_engine_model(str(int4_checkpoint), EngineSpec())
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 14 and {m.kernel for m in layers} == {qlinear.int4_kernel()}
     assert not any(p.dim() == 2 and p.shape[0] != loaded.model.config.vocab_size
@@ -233,7 +231,8 @@ def test_recipe_name_resolves_and_output_key_and_summary(tiny_llama_dir, tmp_pat
     # a recipe NAME (recipes/<model>/<name>.yaml); model= and the group size are overridden for the tiny model
     out = tmp_path / "awq"
     run = specquant("quantize", "recipe=smollm2-135m/awq-w4g64", f"model={tiny_llama_dir}", "quantize.group_size=32",
-                    "quantize.n_samples=4", "quantize.seq_len=32", "quantize.awq_grid=4", "quantize.awq_clip_grid=4",
+                    "quantize.n_samples=4", "quantize.seq_len=32", "quantize.awq_grid=4",
+                    "quantize.experimental.awq_clip_grid=4",
                     f"output={out}")
     assert run.returncode == 0, run.stderr
     from toolkit.quant.checkpoint import read_manifest
@@ -259,8 +258,8 @@ def test_every_shipped_recipe_is_a_valid_quant_recipe():
     from toolkit.quant.model_quant import QuantRecipe
 
     names = sorted(RECIPES_DIR.glob("*/*.yaml"))
-    assert {"smollm2-135m/" + n for n in ("rtn-w8", "rtn-w4g64", "gptq-w4g64", "gptq-w4g64-actorder", "awq-w4g64",
-                                          "gptq-w3g64", "gptq-w8")} <= {f"{p.parent.name}/{p.stem}" for p in names}
+    assert {"smollm2-135m/" + n for n in ("rtn-w8", "rtn-w4g64", "gptq-w4g64", "awq-w4g64", "gptaq-w4g64-mixed-tuned")
+            } <= {f"{p.parent.name}/{p.stem}" for p in names}
     from toolkit.paths import quantize_option
 
     groups = {p.stem: set(quantize_option(p.stem)) for p in (CONF_DIR / "quantize").glob("*.yaml")}

@@ -69,7 +69,9 @@ def test_markdown_table_has_a_protocol_mark_beside_every_number(store):
     table = [line for line in text.splitlines() if line.startswith("| ") and "configuration" not in line]
     assert len(table) == len(CONFIGS)
     for line in table:
-        for cell in line.strip("| ").split(" | ")[1:]:
+        _label, precision, *numbers = line.strip("| ").split(" | ")
+        assert precision == "int4"  # the bench result's dtype: what the engine computed in
+        for cell in numbers:
             assert cell == "—" or "[q1]" in cell or "[s1]" in cell, cell
     assert "- **[q1]** pydoc/evaluation, 27 x 512-token windows" in text and "**[s1]**" in text
     assert "10.250 (10.000) [q1]" in text and "+2.50% [q1]" in text and "55.0 [s1]" in text

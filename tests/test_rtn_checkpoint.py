@@ -276,6 +276,24 @@ def test_wrong_model_config_is_an_error(saved, tmp_path):
         load_quantized(out)
 
 
+def test_a_manifest_of_an_older_version_still_loads(saved, tmp_path):
+    """Older versions recorded the recipe flat: a key since retired (block_size) and the experimental ones at the
+    top level. Such a checkpoint still loads."""
+    import shutil
+
+    out = tmp_path / "old"
+    shutil.copytree(saved[0], out)
+    manifest = json.loads((out / ckpt.MANIFEST).read_text())
+    recipe = manifest["recipe"]
+    recipe.update(recipe.pop("experimental"), block_size=128, awq_clip_grid=5)
+    (out / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    _, qsd, _ = load_quantized(out)
+    assert qsd.recipe.method == "rtn" and qsd.recipe.experimental.awq_clip_grid == 5
+    assert QuantRecipe.from_dict(qsd.recipe.to_dict()) == qsd.recipe
+    with pytest.raises(ValueError, match="block_size"):  # where a key must mean something, it is refused
+        QuantRecipe.from_dict(recipe, retired_ok=False)
+
+
 # ------------------------------------------------------------------------------------------------ swap
 
 

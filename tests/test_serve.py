@@ -27,6 +27,8 @@ from omegaconf import OmegaConf
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import SamplingParams
 from toolkit.engine.setup import load_engine_model
+from toolkit.engine.spec import EngineSpec
+from toolkit.kv import KVSpec
 from toolkit.serve.server import BackgroundServer, ServeSettings, build_state
 
 MODEL = "tiny"
@@ -40,8 +42,7 @@ MAX_TOKENS = [24, 9, 31, 17, 12, 40, 5, 28, 20, 15]  # different lengths: rows l
 
 @pytest.fixture(scope="module")
 def loaded(chat_model_dir):
-    engine = OmegaConf.create({"device": "cpu", "dtype": "fp32", "weight_dtype": "auto", "threads": None,
-                               "compile": False})
+    engine = EngineSpec(dtype="fp32", threads=None, compile=False)
     return load_engine_model(str(chat_model_dir), engine)
 
 
@@ -523,7 +524,7 @@ def test_kv_pool_sizing_by_tokens_or_megabytes(loaded):
 
 # --- quantized KV and speculative decoding ------------------------------------------------------------------------
 # A small residual window and small blocks, so these short requests really seal (quantize) blocks and read them back.
-INT8 = {"kind": "int8", "residual": 8}
+INT8 = KVSpec.from_node({"kind": "int8", "residual": 8})
 # Prompts that repeat themselves, so prompt lookup finds n-grams to draft (the tiny random models also loop).
 REPEATING = [("one two three four one two three four one two three", 24), ("def f(x): return x\ndef g(x): return",
              17), ("a b a b a b a b a", 31), (PROMPTS[4] + ". " + PROMPTS[4], 12), ("while True: while True:", 40),
@@ -608,7 +609,7 @@ def test_spec_kinds_the_server_does_not_run_are_refused(loaded):
             build_state(loaded, ServeSettings(spec=kind))
     # a rejected draft is cropped away; it may not reach back into quantized (sealed) blocks
     with pytest.raises(InputError, match="kv.residual"):
-        build_state(loaded, ServeSettings(kv={"kind": "int8", "residual": 2}, spec="lookup"))
+        build_state(loaded, ServeSettings(kv=KVSpec.from_node({"kind": "int8", "residual": 2}), spec="lookup"))
 
 
 def test_int8_kv_server_streams_and_frees_the_pool(loaded):
@@ -684,7 +685,7 @@ def test_smollm2_spec_lookup_and_int8_kv(smollm2):
     assert scheduler.spec_accepted > 0
     print(f"\nfp + spec=lookup k=4: {scheduler.spec_accepted}/{scheduler.spec_proposed} drafted tokens accepted")
     for spec in (None, _lookup(k=4)):
-        _, ids = run({"kind": "int8", "residual": 32}, spec)
+        _, ids = run(KVSpec.from_node({"kind": "int8", "residual": 32}), spec)
         same = sum(a == b for got, want in zip(ids, expected) for a, b in zip(got, want))
         print(f"int8 KV{' + spec=lookup' if spec else ''} vs fp: {same}/{total} tokens agree position by position")
         assert same >= 0.75 * total

@@ -13,9 +13,9 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
 
 from toolkit.engine.setup import load_engine_model
+from toolkit.engine.spec import EngineSpec
 from toolkit.serve.app import create_app
 from toolkit.serve.server import ServeSettings, build_state
 
@@ -27,8 +27,7 @@ GREEDY = {"model": MODEL, "prompt": "def f(x): return", "max_tokens": 8, "temper
 def app_client(chat_model_dir):
     from fastapi.testclient import TestClient
 
-    engine = OmegaConf.create({"device": "cpu", "dtype": "fp32", "weight_dtype": "auto", "threads": None,
-                               "compile": False})
+    engine = EngineSpec(dtype="fp32", threads=None, compile=False)
     loaded = load_engine_model(str(chat_model_dir), engine)
     state = build_state(loaded, ServeSettings(model_id=MODEL, max_batch=4, max_queue=64, max_tokens=8,
                                               max_seq_len=128, max_body_mb=1))

@@ -8,6 +8,7 @@ import torch
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import SamplingParams, probabilities
 from toolkit.errors import InputError
+from toolkit.kv import KVSpec
 from toolkit.spec.build import build_draft
 from toolkit.spec.decode import DraftLength, speculative_generate
 from toolkit.spec.drafts import LookupDraft, ModelDraft
@@ -115,12 +116,12 @@ def test_quantized_kv_caches_roll_back_exactly(llama_and_gemma):
     llama, _, tok = llama_and_gemma
     prompts = _prompts(4)
     for kind in KINDS:
-        reference = _ids(generate(llama, tok, prompts, 16, stop_tokens=set(), kv=kind))
+        reference = _ids(generate(llama, tok, prompts, 16, stop_tokens=set(), kv=KVSpec(kind)))
         for make in (LookupDraft, lambda: LookupDraft(scale_by_match=True),
-                     lambda kind=kind: ModelDraft(build_self_draft(llama, bits=None), kv=kind),
+                     lambda kind=kind: ModelDraft(build_self_draft(llama, bits=None), kv=KVSpec(kind)),
                      lambda: build_draft({"kind": "self", "bits": 4, "group_size": 32, "share_kv": True}, llama, tok)):
             alone = [speculative_generate(llama, tok, [p], 16, make(), DraftLength(3), stop_tokens=set(),
-                                          kv=kind).sequences[0].token_ids for p in prompts]
+                                          kv=KVSpec(kind)).sequences[0].token_ids for p in prompts]
             assert alone == reference, kind
 
 
@@ -144,12 +145,13 @@ def test_greedy_identity_holds_when_a_flush_falls_inside_a_verify_pass(tiny_llam
     for bits, group in [(8, 8), (4, 16), (2, 16)]:
         kind = OmegaConf.create({"kind": f"int{bits}", "bits": bits, "group_size": group, "residual": 8})
         # one at a time: in a left-padded batch the padding would move where each sequence's flushes fall
-        reference = [generate(model, tok, [p], 40, stop_tokens=set(), kv=kind).sequences[0].token_ids
+        kv = KVSpec.from_node(kind)
+        reference = [generate(model, tok, [p], 40, stop_tokens=set(), kv=kv).sequences[0].token_ids
                      for p in prompts]
         for make in (LookupDraft, lambda: build_draft({"kind": "self", "bits": 4, "group_size": 32,
                                                        "share_kv": True}, model, tok)):
             alone = [speculative_generate(model, tok, [p], 40, make(), DraftLength(4), stop_tokens=set(),
-                                          kv=kind).sequences[0].token_ids for p in prompts]
+                                          kv=kv).sequences[0].token_ids for p in prompts]
             assert alone == reference, (bits, group)
 
 
@@ -638,7 +640,8 @@ def test_a_shared_kv_draft_reads_a_quantized_target_cache_as_the_targets_attenti
             synced.append((n, draft.target.cache.layers[0].quantized))
 
         draft._sync = checked_sync
-        out = speculative_generate(llama, tok, [prompt], 24, draft, DraftLength(3), stop_tokens=set(), kv=kind)
+        out = speculative_generate(llama, tok, [prompt], 24, draft, DraftLength(3), stop_tokens=set(),
+                                   kv=KVSpec.from_node(kind))
         assert out.stats.rounds > 1 and len(synced) == out.stats.rounds
         assert type(draft.target.cache).__name__ == "QuantizedKVCache"
         n, quantized = synced[-1]

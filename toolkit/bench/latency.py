@@ -16,6 +16,7 @@ from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
 from toolkit.errors import InputError
 from toolkit.evaluation.generation import token_agreement
+from toolkit.kv import KVSpec
 from toolkit.timing import GenerationTiming, RssSampler, percentiles
 
 
@@ -45,10 +46,10 @@ def summarize(timings: list[GenerationTiming], peak_rss_mb: float, **extra) -> d
 
 
 def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[list[int]], new_tokens: int,
-                      repeats: int, warmup: int, bandwidth: float, kv=None, llamacpp=None) -> dict:
+                      repeats: int, warmup: int, bandwidth: float, kv: KVSpec | None = None, llamacpp=None) -> dict:
     """Time the engine on `engine_model` and transformers' generate() on `reference_model` (None: no baseline),
     both already in their dtypes, on token-id prompts, and llama.cpp (`toolkit.bench.llamacpp.LlamaCpp`, or None)
-    on the same prompts, all interleaved. `kv`: the engine's KV cache config (see toolkit.kv)."""
+    on the same prompts, all interleaved. `kv`: the engine's KV cache (a KVSpec; None = fp)."""
     if repeats < 1 or new_tokens < 2:
         raise InputError("bench needs repeats >= 1 and new_tokens >= 2 (one inter-token latency at least)",
                          "raise repeats / new_tokens")
@@ -83,6 +84,10 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
         result["greedy_token_agreement_vs_baseline"] = token_agreement(outputs["engine"], outputs["baseline"])
     if llamacpp is not None:
         theirs = summarize(timings["llamacpp"], peaks["llamacpp"], name="llama.cpp", dtype=llamacpp.describe())
+        theirs["weights"] = llamacpp.weights  # "same weights" (our export) or which requantized file it ran
+        theirs["gguf"] = str(llamacpp.path)
+        if llamacpp.fallback_reason:
+            theirs["fallback_reason"] = llamacpp.fallback_reason
         # its floor as the engine's: the GGUF's bytes, and an f16 KV cache (llama.cpp's default) at the mean context
         seconds = (llamacpp.weight_bytes() + kv_bytes_per_token(engine_model, torch.float16) * mean_context) / bandwidth
         theirs["decode_floor"] = {"weight_bytes": llamacpp.weight_bytes(), "floor_tokens_per_s": 1 / seconds,
@@ -104,7 +109,7 @@ def _path_summary(model, timings, peak_mb, mean_context, bandwidth, **extra) -> 
     return summary
 
 
-def _engine_run(model, tokenizer, ids: list[int], new_tokens: int, kv=None, kv_seen=None):
+def _engine_run(model, tokenizer, ids: list[int], new_tokens: int, kv: KVSpec | None = None, kv_seen=None):
     out = generate(model, tokenizer, [ids], new_tokens, stop_tokens=set(), kv=kv)
     if kv_seen is not None:  # the last sampled token is never fed back, so the cache holds one fewer
         kv_seen.append((len(ids) + len(out.sequences[0].token_ids) - 1, out.kv_bytes))

@@ -5,22 +5,30 @@ in the same process on the same prompt token ids with the same threads, interlea
 llama-cpp-python is an optional extra built from source (`pip install -e ".[llamacpp]"` with
 `CMAKE_ARGS="-DGGML_NATIVE=ON"`); where it is missing, the result says so instead of a row.
 
-Which weights it runs: the model's own GGUF (the file the registry's model was converted from), requantized by
-llama.cpp to the type nearest the engine's weights -- F16 for a float model, Q8_0 for an 8-bit checkpoint, Q4_0 for
-a 4-bit one -- with `allow_requantize`. The shipped GGUFs are already 4-bit (SmolLM2's Q4_1), so these are not the
-engine's exact weights; the row names the type.
+Which weights it runs: the engine's own. The benchmarked model (a specquant checkpoint, or the float model) is
+exported once with `specquant export format=gguf`'s code (`toolkit.quant.formats.gguf_export`, type auto: the
+checkpoint's grid as Q4_0 / Q4_1 / Q8_0 blocks, a float model as F16) into the cache folder below, keyed by the
+checkpoint's content hash; the row says "same weights" when every quantized tensor kept its grid (fp16 block
+constants aside) and "nearest type, requantized" where some grid has no llama.cpp block type.
+
+Fallback, where that export cannot be made (a GPTQ/AWQ directory, an architecture it does not write): the registry
+model's own GGUF requantized by llama.cpp to the type nearest the engine's weights -- F16 for a float model, Q8_0
+for an 8-bit checkpoint, Q4_0 for a 4-bit one -- with `allow_requantize`. The shipped GGUFs are already 4-bit
+(SmolLM2's Q4_1), so those are not the engine's weights; the row says "registry GGUF, requantized".
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from toolkit.errors import InputError
+from toolkit.errors import InputError, ModelError
 from toolkit.paths import home
 from toolkit.timing import GenerationTiming, Stopwatch
 
 TYPES = ("F16", "Q8_0", "Q4_0")
+FALLBACK = "registry GGUF, requantized"
 
 
 def unavailable() -> str | None:
@@ -76,14 +84,78 @@ def gguf_of_type(model_name: str, gguf_type: str) -> Path:
     return target
 
 
+def content_key(model_name: str) -> str:
+    """A hash of what the model's weights are: its manifest (checkpoint or model-cache entry, which list every
+    file's xxh3), else every file's name, size and mtime; with the GGUF export's version."""
+    import xxhash
+
+    from toolkit.paths import models_dir
+    from toolkit.quant.checkpoint import MANIFEST
+    from toolkit.quant.formats.gguf_export import EXPORT_VERSION
+
+    path = Path(model_name).expanduser()
+    if not path.is_dir():
+        path = models_dir() / model_name
+    digest = xxhash.xxh3_64(f"gguf-export-{EXPORT_VERSION}".encode())
+    manifests = [path / MANIFEST, path / "manifest.json"]
+    manifest = next((m for m in manifests if m.is_file()), None)
+    if manifest is not None:
+        digest.update(manifest.read_bytes())
+    elif path.is_dir():
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            st = f.stat()
+            digest.update(f"{f.relative_to(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    else:
+        raise InputError(f"{model_name} is neither a directory nor a cached registry model",
+                         f"run `specquant models fetch {model_name}`")
+    return digest.hexdigest()
+
+
+def exported_gguf(model_name: str) -> tuple[Path, dict]:
+    """``(path, export record)`` of the model's own weights as GGUF (`toolkit.quant.formats.gguf_export`, type
+    auto), made once and cached under the content hash; the record says "same weights" or which tensors were
+    requantized."""
+    from toolkit.quant.formats.gguf_export import export_gguf
+
+    stem = Path(str(model_name).rstrip("/")).name
+    target = home() / "llamacpp" / f"{stem}-export-{content_key(model_name)}.gguf"
+    record_path = target.with_suffix(".json")
+    if target.is_file() and record_path.is_file():
+        return target, json.loads(record_path.read_text())
+    record = export_gguf(model_name, target, "auto", force=True).to_dict()
+    partial = record_path.with_suffix(f".{os.getpid()}.part")
+    partial.write_text(json.dumps(record, indent=1))
+    os.replace(partial, record_path)
+    return target, record
+
+
+def peer_for(model_name: str, bits: int | None, n_ctx: int, threads: int) -> LlamaCpp:
+    """llama.cpp on the benchmarked model's own weights (`exported_gguf`), or where that export cannot be made,
+    on the registry GGUF requantized to the nearest type (the row's ``weights`` says which)."""
+    from toolkit.quant.formats import ExportError
+
+    try:
+        path, record = exported_gguf(model_name)
+        return LlamaCpp(path, record["type"], n_ctx, threads, weights=record["weights"])
+    except (ExportError, InputError, ModelError) as exc:
+        from toolkit.bench.baseline import float_source
+
+        gguf_type = nearest_type(bits)
+        peer = LlamaCpp(gguf_of_type(float_source(model_name), gguf_type), gguf_type, n_ctx, threads,
+                        weights=FALLBACK)
+        peer.fallback_reason = str(exc)
+        return peer
+
+
 class LlamaCpp:
     """One llama.cpp model, run greedily on token ids: `run(ids, new_tokens) -> (tokens, timing)` with the same
     TTFT / ITL marks as the engine's runs (first token after the prompt's evaluation, then one per step)."""
 
-    def __init__(self, path: Path, gguf_type: str, n_ctx: int, threads: int):
+    def __init__(self, path: Path, gguf_type: str, n_ctx: int, threads: int, weights: str = FALLBACK):
         import llama_cpp
 
-        self.path, self.gguf_type = path, gguf_type
+        self.path, self.gguf_type, self.weights = path, gguf_type, weights
+        self.fallback_reason: str | None = None
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                                    n_batch=min(n_ctx, 2048), flash_attn=True, verbose=False)
 
@@ -101,4 +173,4 @@ class LlamaCpp:
         return self.path.stat().st_size
 
     def describe(self) -> str:
-        return f"llama.cpp {self.gguf_type}"
+        return f"llama.cpp {self.gguf_type}, {self.weights}"

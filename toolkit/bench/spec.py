@@ -19,7 +19,8 @@ from toolkit.bench.interleave import interleaved
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
 from toolkit.errors import InputError
-from toolkit.kv import kv_kind
+from toolkit.engine.spec import EngineSpec
+from toolkit.kv import KVSpec, kv_spec
 from toolkit.quant.formats import is_quantized_model
 from toolkit.spec.decode import DraftLength, speculative_generate
 
@@ -39,7 +40,7 @@ def _spec(model, tokenizer, ids, new_tokens, kv, draft, length):
 
 
 def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[list[int]], new_tokens: int,
-                   repeats: int, warmup: int, kv=None) -> dict:
+                   repeats: int, warmup: int, kv: KVSpec | None = None) -> dict:
     """Time `model` alone and with `draft` on token-id prompts, interleaved; figures as the module says."""
     if repeats < 1 or new_tokens < 2:
         raise InputError("bench needs repeats >= 1 and new_tokens >= 2", "raise repeats / new_tokens")
@@ -103,9 +104,9 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_tokens: int, new_tokens: int,
-               n_prompts: int, repeats: int, warmup: int, config: dict, kv=None, baseline: str = "none",
-               baseline_dtype: str = "fp32") -> dict:
+def spec_bench(model_name: str, engine: EngineSpec, spec_cfg, prompts: str, prompt_tokens: int, new_tokens: int,
+               n_prompts: int, repeats: int, warmup: int, config: dict, kv: KVSpec | None = None,
+               baseline: str = "none", baseline_dtype: str = "fp32") -> dict:
     """Load the target, build the draft `spec_cfg` names, time both paths; returns the result record.
     baseline=hf with spec=lookup and the fp cache on a float model also times the peer, transformers' assisted
     generation with prompt lookup on that model in fp32 (toolkit.bench.peers): once per float model, not again for
@@ -117,10 +118,10 @@ def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_token
     from toolkit.results import make_result
     from toolkit.spec.build import build_draft, describe_draft, draft_length
 
-    loaded = load_engine_model(model_name, engine_cfg)
+    loaded = load_engine_model(model_name, engine)
     texts = build_prompts(prompts, loaded.tokenizer, prompt_tokens, n_prompts)
     prompt_ids = [loaded.tokenizer(p.text).input_ids for p in texts]
-    draft = build_draft(spec_cfg, loaded.model, loaded.tokenizer, engine_cfg=engine_cfg)
+    draft = build_draft(spec_cfg, loaded.model, loaded.tokenizer, engine=engine)
     length = draft_length(spec_cfg)
     machine = machine_facts(measure=True)
     figures = run_spec_bench(loaded.model, loaded.tokenizer, draft, length, prompt_ids, new_tokens, repeats, warmup,
@@ -128,7 +129,7 @@ def spec_bench(model_name: str, engine_cfg, spec_cfg, prompts: str, prompt_token
     figures = {"model": loaded.name, "prompts": prompts, "threads": torch.get_num_threads(), "spec": spec_cfg.kind,
                "draft": describe_draft(draft), "k": length.k, "adaptive": length.adaptive,
                "kernels": kernel_paths(loaded.model), **figures}
-    if baseline == "hf" and not is_quantized_model(model_name) and kv_kind(kv) == "fp":
+    if "hf" in str(baseline).split(",") and not is_quantized_model(model_name) and not kv_spec(kv).quantized:
         figures.update(_peer(model_name, spec_cfg, prompt_ids, new_tokens, length, repeats, warmup, baseline_dtype))
     return make_result("bench", config, figures, machine)
 

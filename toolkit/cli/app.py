@@ -71,6 +71,8 @@ def _flatten(tree: dict, prefix: str = "") -> list[str]:
 
 def _group_value(arg: str) -> str:
     key, _, value = arg.partition("=")
+    if key == "baseline" and "," in value and value[:1] not in "'\"[":
+        return f"baseline='{value}'"  # one value naming two baselines (hf,llamacpp), not a hydra sweep over two
     group = key.lstrip("+~")
     if group not in ("model", "data") or not value:
         return arg

@@ -14,7 +14,9 @@ from toolkit.bench.latency import run_latency_bench
 from toolkit.engine.kernel_paths import kernel_paths, summary
 from toolkit.engine.precision import prepare_model, resolve_precision
 from toolkit.engine.setup import configure_engine, load_quantized_model, prepare_engine_model
+from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
+from toolkit.kv import KVSpec
 from toolkit.machine import machine_facts
 from toolkit.quant.formats import is_quantized_model
 from toolkit.results import append_to_store, make_result, write_result
@@ -32,8 +34,9 @@ def _bits(model_name: str) -> int | None:
     return int(read_manifest(model_name)["recipe"]["bits"]) if is_quantized_checkpoint(model_name) else 4
 
 
-def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tokens: int, n_prompts: int,
-          repeats: int, warmup: int, baseline: str, baseline_dtype: str, config: dict, kv=None) -> dict:
+def bench(model_name: str, engine: EngineSpec, prompts: str, prompt_tokens: int, new_tokens: int, n_prompts: int,
+          repeats: int, warmup: int, baseline: str, baseline_dtype: str, config: dict,
+          kv: KVSpec | None = None) -> dict:
     """Load once, build prompts, time both paths; returns the result record (also used by `demo`)."""
     from toolkit.data import build_prompts
     from toolkit.models import load_model
@@ -43,7 +46,7 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
         raise InputError(f"unknown baseline {baseline!r}",
                          "use baseline=hf, llamacpp, hf,llamacpp or none (a comma-separated list)")
     baseline = "hf" if "hf" in wanted else "none"
-    threads = configure_engine(engine_cfg)
+    threads = configure_engine(engine)
     reference = None
     if is_quantized_model(model_name):  # ours, or GPTQ/AWQ format
         # the baseline is transformers on the float model the checkpoint was quantized from
@@ -58,15 +61,13 @@ def bench(model_name: str, engine_cfg, prompts: str, prompt_tokens: int, new_tok
         prepare_model(reference, resolve_precision(baseline_dtype))
     texts = build_prompts(prompts, loaded.tokenizer, prompt_tokens, n_prompts)
     prompt_ids = [loaded.tokenizer(p.text).input_ids for p in texts]
-    prepare_engine_model(loaded.model, engine_cfg)
+    prepare_engine_model(loaded.model, engine)
     peer, peer_missing = None, None
     if "llamacpp" in wanted:
         peer_missing = llamacpp.unavailable()
         if peer_missing is None:
-            gguf_type = llamacpp.nearest_type(_bits(model_name))
             n_ctx = max(len(ids) for ids in prompt_ids) + new_tokens + 16
-            peer = llamacpp.LlamaCpp(llamacpp.gguf_of_type(float_source(model_name), gguf_type), gguf_type, n_ctx,
-                                     threads or torch.get_num_threads())
+            peer = llamacpp.peer_for(model_name, _bits(model_name), n_ctx, threads or torch.get_num_threads())
     machine = machine_facts(measure=True)
     with console.status(f"timing {len(prompt_ids)} prompts x {repeats} repeats, engine"
                         + (" and transformers generate() interleaved" if reference is not None else "")):
@@ -122,17 +123,18 @@ def print_table(result: dict) -> None:
 
 def run(cfg) -> dict:
     spec = SpecConfig.of(cfg.get("spec"))  # resolved once, here
+    engine, kv = EngineSpec.from_node(cfg.engine), KVSpec.from_node(cfg.kv)
     if spec.kind != "none":  # the same target without vs with speculation (toolkit/bench/spec)
         from toolkit.bench.spec import print_spec_table, spec_bench
 
-        result = spec_bench(cfg.model.name, cfg.engine, spec, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens,
+        result = spec_bench(cfg.model.name, engine, spec, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens,
                             cfg.n_prompts, cfg.repeats, cfg.warmup, OmegaConf.to_container(cfg, resolve=True),
-                            kv=cfg.kv, baseline=cfg.baseline, baseline_dtype=cfg.baseline_dtype)
+                            kv=kv, baseline=cfg.baseline, baseline_dtype=cfg.baseline_dtype)
         print_spec_table(result, console)
     else:
-        result = bench(cfg.model.name, cfg.engine, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens, cfg.n_prompts,
+        result = bench(cfg.model.name, engine, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens, cfg.n_prompts,
                        cfg.repeats, cfg.warmup, cfg.baseline, cfg.baseline_dtype,
-                       OmegaConf.to_container(cfg, resolve=True), kv=cfg.kv)
+                       OmegaConf.to_container(cfg, resolve=True), kv=kv)
         print_table(result)
     if cfg.out:
         console.print(f"wrote {write_result(cfg.out, result)}")

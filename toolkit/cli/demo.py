@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.panel import Panel
 
 from toolkit.cli.bench import bench, print_table
+from toolkit.engine.spec import EngineSpec
 from toolkit.results import write_result
 
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -33,8 +34,8 @@ def run(cfg) -> dict:
 
     console.rule("3. bench: engine vs transformers generate(), interleaved")
     b = cfg.bench
-    result = bench(name, cfg.engine, b.prompts, b.prompt_tokens, b.new_tokens, b.n_prompts, b.repeats, b.warmup,
-                   b.baseline, b.baseline_dtype, OmegaConf.to_container(cfg, resolve=True))
+    result = bench(name, EngineSpec.from_node(cfg.engine), b.prompts, b.prompt_tokens, b.new_tokens, b.n_prompts,
+                   b.repeats, b.warmup, b.baseline, b.baseline_dtype, OmegaConf.to_container(cfg, resolve=True))
     print_table(result)
 
     console.rule("4. what was measured")

@@ -7,9 +7,10 @@ import sys
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from toolkit.engine.spec import EngineSpec
 from toolkit.evaluation.models import load_candidate, load_reference
 from toolkit.evaluation.suite import Settings, resolve_tasks, run_tasks
-from toolkit.kv import kv_kind
+from toolkit.kv import KVSpec
 from toolkit.machine import machine_facts
 from toolkit.quant.qlinear import exact_prefill
 from toolkit.results import append_to_store, make_result, write_result
@@ -24,9 +25,10 @@ def evaluate_model(cfg) -> dict:
     from toolkit.data import load_text
 
     tasks = resolve_tasks(cfg.task)
-    kind = kv_kind(cfg.kv)
+    kv = KVSpec.from_node(cfg.kv)  # resolved once, here
+    kind = kv.kind
     settings = Settings(**{key: cfg[key] for key in _SETTINGS})
-    loaded = load_candidate(cfg.model.name, cfg.engine)
+    loaded = load_candidate(cfg.model.name, EngineSpec.from_node(cfg.engine))
     reference, reference_name = load_reference(cfg.model.name, loaded, kind, cfg.get("reference"))
     split = cfg.data.get("split", "evaluation")
     texts = list(load_text(cfg.data.name, split)["text"])
@@ -37,7 +39,7 @@ def evaluate_model(cfg) -> dict:
     console.print(f"[bold]{loaded.name}[/] ({running}, KV {kind}"
                   + (", int8 layers' many-row products exact" if exact else "") + f") vs reference {reference_name}")
     with exact_prefill() if exact else contextlib.nullcontext():
-        out = run_tasks(loaded.model, loaded.tokenizer, texts, tasks, settings, reference, cfg.kv, data,
+        out = run_tasks(loaded.model, loaded.tokenizer, texts, tasks, settings, reference, kv, data,
                         log=lambda line: console.print(f"  protocol {line}", style="dim", highlight=False),
                         progress=sys.stderr.isatty())
     figures = {"model": loaded.name, "dtype": loaded.precision.name, "kv": kind, "data": data, "tasks": tasks,

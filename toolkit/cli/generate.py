@@ -8,7 +8,9 @@ from rich.console import Console
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import SamplingParams
 from toolkit.engine.setup import load_engine_model
+from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
+from toolkit.kv import KVSpec
 from toolkit.results import write_result
 from toolkit.spec.config import SpecConfig
 from toolkit.timing import process_peak_rss_mb
@@ -34,7 +36,8 @@ def apply_chat_template(tokenizer, text: str) -> str:
 
 
 def run(cfg) -> dict:
-    loaded = load_engine_model(cfg.model.name, cfg.engine)
+    engine, kv = EngineSpec.from_node(cfg.engine), KVSpec.from_node(cfg.kv)  # resolved once, here
+    loaded = load_engine_model(cfg.model.name, engine)
     texts = prompt_texts(cfg, loaded.tokenizer)
     if cfg.chat:
         texts = [apply_chat_template(loaded.tokenizer, t) for t in texts]
@@ -52,13 +55,13 @@ def run(cfg) -> dict:
         from toolkit.spec.build import build_draft, draft_length
         from toolkit.spec.decode import speculative_generate
 
-        draft = build_draft(spec, loaded.model, loaded.tokenizer, sampling, cfg.engine)
+        draft = build_draft(spec, loaded.model, loaded.tokenizer, sampling, engine)
         result = speculative_generate(loaded.model, loaded.tokenizer, texts, cfg.new_tokens, draft, draft_length(spec),
                                       sampling, stop_strings=list(cfg.stop),
-                                      on_token=on_token if streaming else None, kv=cfg.kv)
+                                      on_token=on_token if streaming else None, kv=kv)
     else:
         result = generate(loaded.model, loaded.tokenizer, texts, cfg.new_tokens, sampling,
-                          stop_strings=list(cfg.stop), on_token=on_token if streaming else None, kv=cfg.kv)
+                          stop_strings=list(cfg.stop), on_token=on_token if streaming else None, kv=kv)
     if streaming:
         sys.stdout.write("\n")
     else:

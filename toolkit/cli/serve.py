@@ -3,22 +3,23 @@
 from rich.console import Console
 
 from toolkit.engine.setup import load_engine_model
+from toolkit.engine.spec import EngineSpec
+from toolkit.kv import KVSpec
 
 console = Console(stderr=True)
 
 
 def run(cfg) -> None:
-    from toolkit.kv import kv_kind
     from toolkit.serve.server import ServeSettings, build_state, serve_forever
     from toolkit.serve.speculation import serve_spec
 
     serve_spec(cfg.spec, int(cfg.spec_max_batch))  # a spec the server cannot run is refused before the model loads
-    kv_kind(cfg.kv)
-    loaded = load_engine_model(cfg.model.name, cfg.engine)
+    engine, kv = EngineSpec.from_node(cfg.engine), KVSpec.from_node(cfg.kv)  # resolved once, before the model loads
+    loaded = load_engine_model(cfg.model.name, engine)
     settings = ServeSettings(host=cfg.host, port=int(cfg.port), api_key=cfg.api_key, model_id=cfg.served_name,
                              max_batch=cfg.max_batch, max_queue=cfg.max_queue, max_kv_tokens=cfg.max_kv_tokens,
                              max_seq_len=cfg.max_seq_len, max_tokens=cfg.max_tokens, kv_budget_mb=cfg.kv_budget_mb,
-                             block_size=int(cfg.block_size), prefix_cache=bool(cfg.prefix_cache), kv=cfg.kv,
+                             block_size=int(cfg.block_size), prefix_cache=bool(cfg.prefix_cache), kv=kv,
                              spec=cfg.spec, spec_max_batch=int(cfg.spec_max_batch),
                              max_body_mb=float(cfg.max_body_mb), drain_timeout_s=float(cfg.drain_timeout_s))
     state = build_state(loaded, settings)
@@ -31,7 +32,7 @@ def run(cfg) -> None:
                   f"/v1 | max_batch {limits.max_batch} | max_queue {limits.max_queue} | KV pool {pool.num_blocks} "
                   f"blocks of {pool.block_size} = {scheduler.kv_capacity_tokens} tokens, "
                   f"{scheduler.cache.storage.nbytes / 2**20:.0f} MiB | prefix cache "
-                  f"{'on' if limits.prefix_cache else 'off'} | max_seq_len {limits.max_seq_len} | kv {kv_kind(cfg.kv)} | "
+                  f"{'on' if limits.prefix_cache else 'off'} | max_seq_len {limits.max_seq_len} | kv {kv.kind} | "
                   f"spec {_describe_spec(scheduler.spec)}[/]", highlight=False)
     serve_forever(state, cfg.host, int(cfg.port))
 

@@ -14,9 +14,10 @@ from toolkit.diagnose.split import time_split
 from toolkit.diagnose.workload import input_stats
 from toolkit.engine.costs import kv_bytes_per_token, weight_bytes_per_token
 from toolkit.engine.generate import encode_prompts
+from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
 from toolkit.evaluation.generation import token_agreement
-from toolkit.kv import kv_kind
+from toolkit.kv import KVSpec
 
 
 def workload_texts(cfg, tokenizer) -> list[str]:
@@ -34,10 +35,10 @@ def base_command(cfg) -> str:
     return f"specquant generate model={cfg.model.name} {source} n_prompts={cfg.n_prompts} new_tokens={cfg.new_tokens}"
 
 
-def cache_bytes_per_token(model, kv_cfg, context: int, dtype: torch.dtype) -> float:
-    if kv_kind(kv_cfg) == "fp":
+def cache_bytes_per_token(model, kv: KVSpec, context: int, dtype: torch.dtype) -> float:
+    if not kv.quantized:
         return kv_bytes_per_token(model, dtype)
-    return sequence_kv_bytes(model, kv_kind(kv_cfg), context, dtype, kv_cfg) / context
+    return sequence_kv_bytes(model, kv.kind, context, dtype, kv) / context
 
 
 def prefix_reuse(options, names: list[str], workload: dict, notes: list[str]) -> dict | None:
@@ -60,9 +61,10 @@ def prefix_reuse(options, names: list[str], workload: dict, notes: list[str]) ->
             "block_size": BLOCK_SIZE, "repeated_prefix_tokens": workload["repeated_prefix_tokens"]}
 
 
-def diagnose(cfg, loaded, progress=None) -> dict:
+def diagnose(cfg, loaded, engine: EngineSpec, kv: KVSpec, progress=None) -> dict:
+    """`cfg`: the workload's settings (prompts, new_tokens, whatifs, quality...); `engine` and `kv`: the engine and
+    KV cache the model was loaded and runs with, resolved once by the CLI."""
     model, tokenizer = loaded.model, loaded.tokenizer
-    kv_cfg = cfg.get("kv")
     spec_cfg = cfg.get("spec") if cfg.get("spec") is not None and cfg.spec.get("kind") != "none" else None
     texts = workload_texts(cfg, tokenizer)
     encoded = encode_prompts(tokenizer, texts)
@@ -71,29 +73,29 @@ def diagnose(cfg, loaded, progress=None) -> dict:
     new_tokens = int(cfg.new_tokens)
 
     # sections 2-3: the workload as the user runs it (its own kv= and spec=)
-    baseline = wi.Option("baseline", "none", model, kv_cfg, spec_cfg)
+    baseline = wi.Option("baseline", "none", model, kv, spec_cfg)
     if spec_cfg is not None:
         from toolkit.spec.build import build_draft
 
-        baseline.draft = build_draft(spec_cfg, model, tokenizer, engine_cfg=cfg.engine)
+        baseline.draft = build_draft(spec_cfg, model, tokenizer, engine=engine)
     wi.measure([baseline], tokenizer, encoded, new_tokens, warmup=cfg.warmup, progress=progress)
     split = time_split(baseline.timings)
     path = dominant_path(split)
     peak_flops, bandwidth = measure_peaks()
     mean_prompt = workload["tokens_per_prompt"]
     context = max(len(ids) for ids in encoded) + new_tokens
-    kv_per_token = cache_bytes_per_token(model, kv_cfg, context, dtype)
+    kv_per_token = cache_bytes_per_token(model, kv, context, dtype)
     bound = roofline(model, kv_per_token, mean_prompt, new_tokens, split, peak_flops, bandwidth)
     weights = weight_bytes_per_token(model)
     budget = int(cfg.kv_budget_gib * 2**30) if cfg.get("kv_budget_gib") else default_budget(weights)
-    kv = kv_pressure(model, context, dtype, budget)
+    pressure = kv_pressure(model, context, dtype, budget)
 
     # section 5: the knobs the diagnosis points at, rerun beside the baseline
     kv_share = bound["decode"]["kv_bytes"] / bound["decode"]["bytes_per_token"]
     names = wi.choose(OmegaConf.to_container(cfg.whatifs) if OmegaConf.is_config(cfg.whatifs) else cfg.whatifs,
                       path, kv_share, workload["repeated_prefix_share"])
     quantized_input = getattr(model, "specquant_quant_label", None) is not None
-    options, notes = wi.build_options(names, model, cfg.model.name, cfg.engine, kv_cfg, spec_cfg, tokenizer,
+    options, notes = wi.build_options(names, model, cfg.model.name, engine, kv, spec_cfg, tokenizer,
                                       quantized_input)
     options[0].draft = baseline.draft
     wi.measure(options, tokenizer, encoded, new_tokens, warmup=cfg.warmup, progress=progress)
@@ -117,7 +119,7 @@ def diagnose(cfg, loaded, progress=None) -> dict:
     prefix = prefix_reuse(options, names, workload, notes)
     return {
         "model": loaded.name, "dtype": loaded.precision.name, "prompt_tokens": mean_prompt, "new_tokens": new_tokens,
-        "workload": workload, "split": split, "dominant": path, "roofline": bound, "kv_pressure": kv,
+        "workload": workload, "split": split, "dominant": path, "roofline": bound, "kv_pressure": pressure,
         "whatifs": {"measured": [o.name for o in options], "rows": rows, "ranking": rank(rows), "notes": notes,
                     "prefix_cache": prefix, "quality_slice": {"data": cfg.quality.data, "window": cfg.quality.window,
                                       "windows": int(windows.shape[0]), "chunk": cfg.quality.chunk}},

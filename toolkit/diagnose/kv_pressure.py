@@ -5,23 +5,25 @@ toolkit.kv.memory, residual window and scales included, so short contexts show t
 import torch
 
 from toolkit.engine.costs import kv_bytes_per_token
-from toolkit.kv import quant_config
+from toolkit.kv import KVSpec
 from toolkit.kv.memory import model_kv_shape, quantized_kv_bytes
 
 KINDS = ("fp", "int8", "int4")
 
 
-def sequence_kv_bytes(model, kind: str, tokens: int, activation_dtype: torch.dtype, kv_cfg=None) -> int:
-    """Bytes one sequence of `tokens` holds in a cache of `kind` (`kv_cfg`: that kind's options, else defaults)."""
+def sequence_kv_bytes(model, kind: str, tokens: int, activation_dtype: torch.dtype, kv: KVSpec | None = None) -> int:
+    """Bytes one sequence of `tokens` holds in a cache of `kind` (`kv`: that kind's KVSpec, else its defaults)."""
     if kind == "fp":
         return kv_bytes_per_token(model, activation_dtype) * tokens
-    cfg = quant_config(kv_cfg if kv_cfg is not None else kind)
+    cfg = (kv if kv is not None else KVSpec(kind)).quant
     return quantized_kv_bytes(cfg, tokens, batch=1, residual_bytes=torch.tensor([], dtype=activation_dtype)
                               .element_size(), **model_kv_shape(model))
 
 
-def kv_pressure(model, context_tokens: int, activation_dtype: torch.dtype, budget_bytes: int, kv_nodes=None) -> dict:
-    """`context_tokens`: prompt + new tokens of the longest request; `budget_bytes`: memory left for KV caches."""
+def kv_pressure(model, context_tokens: int, activation_dtype: torch.dtype, budget_bytes: int,
+                kv_nodes: dict[str, KVSpec] | None = None) -> dict:
+    """`context_tokens`: prompt + new tokens of the longest request; `budget_bytes`: memory left for KV caches;
+    `kv_nodes`: a KVSpec per kind whose options differ from the defaults."""
     kv_nodes = kv_nodes or {}
     rows = {}
     for kind in KINDS:

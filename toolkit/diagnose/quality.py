@@ -26,7 +26,7 @@ def quality_slice(tokenizer, data: str, window: int, windows: int):
 
 def quality_change(options, windows, chunk: int) -> dict[str, dict]:
     base = options[0]
-    reference = score_windows(base.model, windows, kv_cfg=base.kv, chunk=chunk)
+    reference = score_windows(base.model, windows, kv=base.kv, chunk=chunk)
     out = {base.name: {"kl": 0.0, "ppl": reference["ppl"], "ppl_change": 0.0, "scored": "baseline"}}
     for option in options[1:]:
         lossless = LOSSLESS.get(option.knob)
@@ -35,7 +35,7 @@ def quality_change(options, windows, chunk: int) -> dict[str, dict]:
                                 "scored": f"lossless ({lossless})"}
             continue
         with bf16_prefill() if option.knob == "prefill" else contextlib.nullcontext():
-            figures = score_windows(option.model, windows, reference=base.model, kv_cfg=option.kv, chunk=chunk)
+            figures = score_windows(option.model, windows, reference=base.model, kv=option.kv, chunk=chunk)
         out[option.name] = {"kl": figures["kl"], "ppl": figures["ppl"],
                             "ppl_change": figures["ppl"] / reference["ppl"] - 1, "scored": "measured"}
     return out

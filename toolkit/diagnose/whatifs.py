@@ -23,7 +23,9 @@ from omegaconf import OmegaConf
 
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import cpu_has_native_bf16, prefill_runs_bf16
+from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
+from toolkit.kv import KVSpec, kv_spec
 from toolkit.paths import RECIPES_DIR, quantize_option
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -43,7 +45,7 @@ class Option:
     name: str
     knob: str
     model: torch.nn.Module
-    kv: object = None
+    kv: KVSpec = field(default_factory=KVSpec)
     spec: object = None  # a conf/spec node, or None
     draft: object = None
     prefix: object = None  # a PrefixCacheRun (prefix-cache): the paged cache the requests share
@@ -100,7 +102,7 @@ def weight_recipe(option: str, model_name: str):
     return QuantRecipe(**node), apply
 
 
-def quantized_copy(model_name: str, recipe, engine_cfg):
+def quantized_copy(model_name: str, recipe, engine: EngineSpec):
     """A fresh copy of the model with its Linear weights quantized by `recipe` (RTN: seconds), prepared for the
     engine exactly as a checkpoint written by `specquant quantize` and loaded with model=DIR would be."""
     from toolkit.engine.setup import prepare_engine_model
@@ -111,26 +113,25 @@ def quantized_copy(model_name: str, recipe, engine_cfg):
     model = load_model(model_name, dtype=torch.float32).model
     qsd = quantize_model(model, recipe, progress=False)
     swap_quantized_modules(model, qsd, QuantLinear.from_quantized)
-    prepare_engine_model(model, engine_cfg)
+    prepare_engine_model(model, engine)
     return model
 
 
-def compiled_copy(model_name: str, engine_cfg):
+def compiled_copy(model_name: str, engine: EngineSpec):
     """A fresh copy of the model (a checkpoint directory too) prepared as the engine would with engine.compile=true:
     torch's kernels (fbgemm's packed op is opaque to the compiler and breaks the graph) and a compiled decode
     forward. A copy, because compiling attaches the compiled forward to the model the baseline also runs."""
     from toolkit.engine.setup import load_engine_model
 
-    cfg = OmegaConf.merge(engine_cfg, {"gemm": "torch", "compile": True})
-    return load_engine_model(model_name, cfg).model
+    return load_engine_model(model_name, engine.replace(gemm="torch", compile=True)).model
 
 
-def bf16_prefill_copy(model_name: str, engine_cfg) -> tuple[torch.nn.Module | None, str]:
+def bf16_prefill_copy(model_name: str, engine: EngineSpec) -> tuple[torch.nn.Module | None, str]:
     """(a fresh copy of the model prepared with engine.prefill_dtype=bf16, "") or (None, why it does not apply)."""
     from toolkit.engine.setup import load_engine_model
 
     try:
-        loaded = load_engine_model(model_name, OmegaConf.merge(engine_cfg, {"prefill_dtype": "bf16"}))
+        loaded = load_engine_model(model_name, engine.replace(prefill_dtype="bf16"))
     except InputError as exc:  # a CPU without native bf16
         return None, exc.problem
     if loaded.precision.prefill != "bf16":
@@ -139,13 +140,15 @@ def bf16_prefill_copy(model_name: str, engine_cfg) -> tuple[torch.nn.Module | No
     return loaded.model, ""
 
 
-def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, spec_cfg, tokenizer,
-                  quantized_input: bool) -> tuple[list[Option], list[str]]:
-    """The baseline (the user's own settings) and each named option; returns them and notes on options skipped."""
+def build_options(names: list[str], base, model_name: str, engine: EngineSpec, kv: KVSpec | None, spec_cfg,
+                  tokenizer, quantized_input: bool) -> tuple[list[Option], list[str]]:
+    """The baseline (the user's own settings: `engine`, `kv` (None: fp) and `spec_cfg`) and each named option;
+    returns them and notes on options skipped."""
     from toolkit.spec.build import build_draft
 
+    kv = kv_spec(kv)
     notes = []
-    baseline = Option("baseline", "none", base, kv_cfg, spec_cfg, apply="(as you ran it)")
+    baseline = Option("baseline", "none", base, kv, spec_cfg, apply="(as you ran it)")
     options = [baseline]
     for name in names:
         knob = KNOB[name]
@@ -154,37 +157,36 @@ def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, s
                 notes.append(f"{name}: skipped, model={model_name} is already quantized")
                 continue
             recipe, apply = weight_recipe(name, model_name)
-            options.append(Option(name, knob, quantized_copy(model_name, recipe, engine_cfg), kv_cfg, spec_cfg,
+            options.append(Option(name, knob, quantized_copy(model_name, recipe, engine), kv, spec_cfg,
                                   apply=apply, recipe=recipe.to_dict()))
         elif knob == "kv":
             kind = name.removeprefix("kv-")
-            if kv_cfg is not None and kv_cfg.get("kind") == kind:
+            if kv.kind == kind:
                 notes.append(f"{name}: skipped, the baseline already runs kv={kind}")
                 continue
-            options.append(Option(name, knob, base, OmegaConf.load(CONF_DIR / "kv" / f"{kind}.yaml"), spec_cfg,
-                                  apply=f"kv={kind}"))
+            option_kv = KVSpec.from_node(OmegaConf.load(CONF_DIR / "kv" / f"{kind}.yaml"))  # as kv={kind} runs
+            options.append(Option(name, knob, base, option_kv, spec_cfg, apply=f"kv={kind}"))
         elif knob == "engine":
-            if engine_cfg.get("compile"):
+            if engine.compile:
                 notes.append(f"{name}: skipped, the baseline already runs engine.compile=true")
                 continue
-            options.append(Option(name, knob, compiled_copy(model_name, engine_cfg), kv_cfg, spec_cfg,
+            options.append(Option(name, knob, compiled_copy(model_name, engine), kv, spec_cfg,
                                   apply="engine.compile=true engine.gemm=torch"))
         elif knob == "prefill":
             if prefill_runs_bf16(base):
                 notes.append(f"{name}: skipped, the baseline already runs bf16 prompt passes")
                 continue
-            copy, why = bf16_prefill_copy(model_name, engine_cfg)
+            copy, why = bf16_prefill_copy(model_name, engine)
             if copy is None:
                 notes.append(f"{name}: skipped, {why}")
                 continue
-            options.append(Option(name, knob, copy, kv_cfg, spec_cfg, apply="engine.prefill_dtype=bf16"))
+            options.append(Option(name, knob, copy, kv, spec_cfg, apply="engine.prefill_dtype=bf16"))
         elif knob == "prefix":
             from toolkit.diagnose.prefix_cache import PrefixCacheRun
-            from toolkit.kv import kv_kind
 
             # one knob at a time: against a baseline that already changes the cache or the decoding loop, the
             # paged run would differ in two knobs and its tokens would not be the baseline's by construction
-            if kv_kind(kv_cfg) != "fp" or spec_cfg is not None:
+            if kv.quantized or spec_cfg is not None:
                 notes.append(f"{name}: skipped, measured against a kv=fp baseline without spec= only")
                 continue
             options.append(Option(name, knob, base, prefix=PrefixCacheRun(base), apply="prefix_cache=true"))
@@ -193,10 +195,10 @@ def build_options(names: list[str], base, model_name: str, engine_cfg, kv_cfg, s
                 notes.append(f"{name}: skipped, the baseline already runs spec={name}")
                 continue
             node = OmegaConf.load(CONF_DIR / "spec" / f"{name}.yaml")
-            options.append(Option(name, knob, base, kv_cfg, node, apply=f"spec={name}"))
+            options.append(Option(name, knob, base, kv, node, apply=f"spec={name}"))
     for option in options:
         if option.spec is not None and option.spec.get("kind", "none") != "none":
-            option.draft = build_draft(option.spec, option.model, tokenizer, engine_cfg=engine_cfg)
+            option.draft = build_draft(option.spec, option.model, tokenizer, engine=engine)
     return options, notes
 
 

@@ -16,6 +16,7 @@ from toolkit.engine.lean_forward import one_token_forward
 from toolkit.engine.precision import bf16_prefill, exact_linears, overflowed
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.errors import InputError
+from toolkit.kv.config import KVSpec
 from toolkit.timing import GenerationTiming, Stopwatch
 
 # on_token(sequence_index, token_id, text_delta): called for every token of every running sequence, and once more
@@ -191,9 +192,9 @@ def validate_request(model, prompt_lengths: list[int], new_tokens: int) -> None:
 
 def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParams = SamplingParams(),
              stop_strings: Sequence[str] = (), stop_tokens: set[int] | None = None,
-             on_token: TokenCallback | None = None, kv=None) -> GenerationResult:
+             on_token: TokenCallback | None = None, kv: KVSpec | None = None) -> GenerationResult:
     """Generate up to `new_tokens` tokens for each prompt (text or token ids), timing prefill and every decode step.
-    `kv`: the KV cache config (a `kv` group node, a kind name, or None for full precision; see toolkit.kv)."""
+    `kv`: the KV cache (a KVSpec, `KVSpec.from_node` of the kv group; None for full precision; see toolkit.kv)."""
     from toolkit.kv import make_kv_cache
 
     encoded = encode_prompts(tokenizer, prompts)

@@ -99,6 +99,7 @@ def load():
     lib.sq_decoder_layers.restype = ctypes.c_int
     lib.sq_b16_linear.argtypes = [p, i64, i64, p, p, i64, p]  # the bf16 kernel it includes: its AMX switch and test
     lib.sq_b16_amx.argtypes = [ctypes.c_int]
+    lib.sq_decoder_timing.argtypes = [ctypes.c_int, p]
     bf16_native.use_amx(lib)
     return lib
 
@@ -106,6 +107,21 @@ def load():
 @lru_cache(maxsize=1)
 def library():
     return load() if int4_native.available() else None
+
+
+PHASES = ("norms and residuals", "products", "rotary and cache writes", "attention", "SiLU x up")
+"""The stack's phases, as `decoder_layers.c` times them when asked (`phase_timing`)."""
+
+
+def phase_timing(on: bool) -> dict[str, float]:
+    """Seconds the native stack spent in each of `PHASES` since timing was last switched on; `on` switches it on
+    (from zero) or off. A clock read per phase while on; nothing while off (benchmarks/ttft_profile.py)."""
+    lib = library()
+    if lib is None:
+        return {}
+    out = (ctypes.c_double * len(PHASES))()
+    lib.sq_decoder_timing(int(on), out)
+    return dict(zip(PHASES, out))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -9,6 +9,7 @@ import torch
 
 from toolkit.engine.lean_forward import install as install_forward
 from toolkit.engine.precision import Precision, prepare_model, resolve_precision
+from toolkit.engine.spec import ENGINE_DOTS, LOWBIT_KERNELS, EngineSpec
 from toolkit.errors import InputError, ModelError
 
 log = logging.getLogger(__name__)
@@ -23,13 +24,18 @@ def configure_threads(threads: int | None) -> int:
     return count
 
 
-def configure_engine(engine_cfg) -> int:
+def configure_engine(engine: EngineSpec) -> int:
     """The process-wide engine settings, before any model is loaded: threads (returned) and the low-bit kernels."""
-    choose_lowbit_kernels(engine_cfg.get("lowbit_kernel", "auto"))
-    return configure_threads(engine_cfg.threads)
+    engine = _spec(engine)
+    choose_lowbit_kernels(engine.lowbit_kernel)
+    return configure_threads(engine.threads)
 
 
-LOWBIT_KERNELS = ("auto", "specquant", "torch")
+def _spec(engine) -> EngineSpec:
+    if not isinstance(engine, EngineSpec):
+        raise TypeError(f"the engine settings are an EngineSpec, got {type(engine).__name__}: resolve a config node "
+                        "once with EngineSpec.from_node (the CLI does)")
+    return engine
 
 
 def choose_lowbit_kernels(choice: str) -> None:
@@ -47,23 +53,23 @@ def choose_lowbit_kernels(choice: str) -> None:
 DEFAULT_ENGINE_YAML = Path(__file__).resolve().parents[1] / "conf" / "engine" / "default.yaml"
 
 
-def default_engine_config(**overrides):
-    """The engine config the CLI runs with (``conf/engine/default.yaml``), ``overrides`` merged over it: what the
-    benches that load models outside a hydra command start from."""
+def default_engine_config(**overrides) -> EngineSpec:
+    """The engine settings the CLI runs with (``conf/engine/default.yaml``), ``overrides`` merged over them: what
+    the benches that load models outside a hydra command start from."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.merge(OmegaConf.load(DEFAULT_ENGINE_YAML), overrides)
+    return EngineSpec.from_node(OmegaConf.merge(OmegaConf.load(DEFAULT_ENGINE_YAML), overrides))
 
 
-def load_engine_model(name: str, engine_cfg):
+def load_engine_model(name: str, engine: EngineSpec):
     """Load `name` (registry name, directory, hub id) and prepare it for the engine; returns a LoadedModel whose
     `precision` says what it runs in."""
     from toolkit.models import load_model
     from toolkit.quant.formats import is_quantized_model
 
-    configure_engine(engine_cfg)
+    configure_engine(engine)
     loaded = load_quantized_model(name) if is_quantized_model(name) else load_model(name, dtype=torch.float32)
-    loaded.precision = prepare_engine_model(loaded.model, engine_cfg)
+    loaded.precision = prepare_engine_model(loaded.model, engine)
     return loaded
 
 
@@ -96,11 +102,6 @@ def load_quantized_model(path):
     name = f"{source or Path(path).name} ({Path(path).name})"
     return LoadedModel(model, tokenizer, name, None, Path(path), torch.float32,
                        time.perf_counter() - start)
-
-
-ENGINE_DOTS = ("fp32", "bf16", "int8")
-"""engine.native_dot: the native stack's products. fp32 and bf16 apply to a float model's stack, int8 to an int4
-checkpoint's (docs/engine.md, "Precision")."""
 
 
 def use_native_dot(model, dot: str) -> None:
@@ -154,18 +155,18 @@ def _use_int8_activations(forward, native) -> None:
                          "with a group of a multiple of 8)", fix)
 
 
-def prepare_engine_model(model, engine_cfg) -> Precision:
-    """Move and cast `model` (in place) as the engine config says; returns its precision."""
-    if engine_cfg.device != "cpu" and not torch.cuda.is_available():
-        raise InputError(f"engine.device={engine_cfg.device} but no CUDA device is available", "use engine.device=cpu")
-    precision = resolve_precision(engine_cfg.dtype, engine_cfg.get("weight_dtype", "auto"), engine_cfg.device)
-    if engine_cfg.device != "cpu":
-        model.to(engine_cfg.device)
-    prepare_model(model, precision, wide_copy=engine_cfg.get("wide_copy", "auto"), gemm=engine_cfg.get("gemm", "auto"),
-                  prefill=engine_cfg.get("prefill_dtype", "fp32"))
-    model.specquant_forward = install_forward(model, engine_cfg.get("forward", "auto"))
-    use_native_dot(model, engine_cfg.get("native_dot", "fp32"))
-    if engine_cfg.get("compile"):
+def prepare_engine_model(model, engine: EngineSpec) -> Precision:
+    """Move and cast `model` (in place) as the engine settings say; returns its precision."""
+    engine = _spec(engine)
+    if engine.device != "cpu" and not torch.cuda.is_available():
+        raise InputError(f"engine.device={engine.device} but no CUDA device is available", "use engine.device=cpu")
+    precision = resolve_precision(engine.dtype, engine.weight_dtype, engine.device)
+    if engine.device != "cpu":
+        model.to(engine.device)
+    prepare_model(model, precision, wide_copy=engine.wide_copy, gemm=engine.gemm, prefill=engine.prefill_dtype)
+    model.specquant_forward = install_forward(model, engine.forward)
+    use_native_dot(model, engine.native_dot)
+    if engine.compile:
         compile_decode(model)
     return model.specquant_precision  # with what the prompt passes resolved to
 

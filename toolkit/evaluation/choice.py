@@ -4,6 +4,7 @@
 tokenisations."""
 
 from toolkit.evaluation.reference_scores import score_pairs
+from toolkit.kv import KVSpec
 
 
 def _choices(scores: list[dict], items: list[dict], normalise: bool) -> list[int]:
@@ -16,9 +17,9 @@ def _choices(scores: list[dict], items: list[dict], normalise: bool) -> list[int
 
 
 def score_choice(model, tokenizer, items: list[dict], reference=None, max_context: int = 128, batch_size: int = 16,
-                 kv_cfg=None, progress=None) -> dict:
+                 kv: KVSpec | None = None, progress=None) -> dict:
     pairs = [(item["context"], ending) for item in items for ending in item["endings"]]
-    got, ref, stored = score_pairs(model, tokenizer, pairs, reference, max_context, batch_size, kv_cfg, progress, "mc")
+    got, ref, stored = score_pairs(model, tokenizer, pairs, reference, max_context, batch_size, kv, progress, "mc")
     labels = [item["label"] for item in items]
     n = len(items)
     figures = {"ref_from_cache": stored}

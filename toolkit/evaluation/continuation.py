@@ -10,7 +10,7 @@ continuation's first token; the continuation's own logits predict the rest. On p
 import torch
 
 from toolkit.engine.generate import positions_from_mask
-from toolkit.kv import make_kv_cache
+from toolkit.kv import KVSpec, make_kv_cache
 
 
 def encode_pairs(tokenizer, pairs: list[tuple[str, str]], max_context: int) -> list[tuple[list[int], list[int]]]:
@@ -26,7 +26,7 @@ def encode_pairs(tokenizer, pairs: list[tuple[str, str]], max_context: int) -> l
 
 @torch.inference_mode()
 def score_continuations(model, encoded: list[tuple[list[int], list[int]]], pad_id: int, batch_size: int = 16,
-                        kv_cfg=None, progress=None) -> list[dict]:
+                        kv: KVSpec | None = None, progress=None) -> list[dict]:
     """For each (context ids, continuation ids): `logprob` (sum over the continuation's tokens) and `greedy`
     (every continuation token is the model's argmax given what precedes it). `batch_size` counts continuations;
     a context's continuations always share a batch."""
@@ -39,7 +39,7 @@ def score_continuations(model, encoded: list[tuple[list[int], list[int]]], pad_i
     for batch in _pack(contexts, {c: len(groups[c]) for c in contexts}, batch_size):
         index = [i for c in batch for i in groups[c]]
         logits = _continuation_logits(model, [list(c) for c in batch], [len(groups[c]) for c in batch],
-                                      [encoded[i][1] for i in index], pad_id, kv_cfg)
+                                      [encoded[i][1] for i in index], pad_id, kv)
         for row, i in enumerate(index):
             target = torch.tensor(encoded[i][1])
             pred = logits[row, :len(target)].float()
@@ -64,7 +64,7 @@ def _pack(contexts: list, rows: dict, limit: int):
 
 
 def _continuation_logits(model, contexts: list[list[int]], repeats: list[int], continuations: list[list[int]],
-                         pad_id: int, kv_cfg) -> torch.Tensor:
+                         pad_id: int, kv) -> torch.Tensor:
     """Logits [rows, longest continuation, V]: row r position j predicts token j of continuation r, whose context
     is contexts[k] for the k-th group of `repeats[k]` rows."""
     width = max(map(len, contexts))
@@ -74,7 +74,7 @@ def _continuation_logits(model, contexts: list[list[int]], repeats: list[int], c
         ids[i, width - len(c):] = torch.tensor(c)
         mask[i, width - len(c):] = 1
     longest = max(map(len, continuations))
-    cache = make_kv_cache(model, width + longest, kv_cfg)
+    cache = make_kv_cache(model, width + longest, kv)
     first = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), cache=cache,
                   use_cache=True, logits_to_keep=1).logits[:, -1]
     owner = torch.repeat_interleave(torch.arange(len(contexts)), torch.tensor(repeats))

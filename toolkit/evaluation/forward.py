@@ -8,23 +8,23 @@ values that went through the cache (quantized, for a quantized kind), as they do
 import torch
 
 from toolkit.errors import InputError
-from toolkit.kv import kv_kind, make_kv_cache
+from toolkit.kv import KVSpec, kv_spec, make_kv_cache
 
 NATIVE_CHUNK = 1024
 """Tokens per call when a window runs on the native stack (under its prompt bound, `W4A8_MAX_ROWS`)."""
 
 
 @torch.inference_mode()
-def window_logits(model, ids: torch.Tensor, kv_cfg=None, chunk: int | None = None) -> torch.Tensor:
+def window_logits(model, ids: torch.Tensor, kv: KVSpec | None = None, chunk: int | None = None) -> torch.Tensor:
     """[B, T] token ids -> [B, T, vocab] logits (in the model's activation dtype)."""
     device = next(model.parameters()).device
     ids = ids.to(device)
     if getattr(getattr(model, "specquant_precision", None), "dot", "fp32") == "int8":
-        return _native_window_logits(model, ids, kv_cfg)
+        return _native_window_logits(model, ids, kv)
     if not chunk or chunk >= ids.shape[1]:
         return model(input_ids=ids, use_cache=False).logits
     batch, length = ids.shape
-    cache = make_kv_cache(model, length, kv_cfg)
+    cache = make_kv_cache(model, length, kv)
     out = []
     for start in range(0, length, chunk):
         piece = ids[:, start:start + chunk]
@@ -33,11 +33,11 @@ def window_logits(model, ids: torch.Tensor, kv_cfg=None, chunk: int | None = Non
     return torch.cat(out, dim=1)
 
 
-def _native_window_logits(model, ids: torch.Tensor, kv_cfg) -> torch.Tensor:
+def _native_window_logits(model, ids: torch.Tensor, kv) -> torch.Tensor:
     """engine.native_dot=int8: the int8 activations exist only on the native stack, which runs one sequence through
     a full-precision cache; each window goes through it alone, `NATIVE_CHUNK` tokens a call, so the figures are the
     arithmetic generation uses."""
-    if kv_kind(kv_cfg) != "fp":
+    if kv_spec(kv).quantized:
         raise InputError("engine.native_dot=int8 is evaluated with the full-precision KV cache only",
                          "use kv=fp, or engine.native_dot=fp32 to measure a quantized cache")
     out = []

@@ -4,6 +4,7 @@ they continue different texts, so `gen_prefix_match` (the mean length of the com
 tokens generated) is the cleaner figure; `gen_token_agreement` counts equal tokens position by position."""
 
 from toolkit.engine.generate import generate
+from toolkit.kv import KVSpec
 
 
 def gen_prompts(tokenizer, texts: list[str], count: int, prompt_tokens: int) -> list[list[int]]:
@@ -16,8 +17,8 @@ def gen_prompts(tokenizer, texts: list[str], count: int, prompt_tokens: int) -> 
     return [bos + ids[s:s + body] for s in list(starts)[:count] if len(ids[s:s + body]) == body]
 
 
-def score_generation(model, tokenizer, prompts: list[list[int]], new_tokens: int, reference=None, kv_cfg=None,
-                     batch_size: int = 8) -> dict:
+def score_generation(model, tokenizer, prompts: list[list[int]], new_tokens: int, reference=None,
+                     kv: KVSpec | None = None, batch_size: int = 8) -> dict:
     def run(m, kv):
         out = []
         for start in range(0, len(prompts), batch_size):
@@ -25,7 +26,7 @@ def score_generation(model, tokenizer, prompts: list[list[int]], new_tokens: int
             out.extend(seq.token_ids for seq in result.sequences)
         return out
 
-    got = run(model, kv_cfg)
+    got = run(model, kv)
     ref = got if reference is None else run(reference, None)
     equal = prefix = total = 0
     for a, b in zip(got, ref):

@@ -5,16 +5,15 @@ float model, the same weights in fp32. When the candidate already is that (float
 fp KV cache), it is its own reference (None) and every task runs once."""
 
 import torch
-from omegaconf import OmegaConf
 
-DEFAULT_ENGINE = {"device": "cpu", "dtype": "auto", "weight_dtype": "auto", "threads": None, "compile": False}
+from toolkit.engine.spec import EngineSpec
 
 
-def load_candidate(name: str, engine_cfg=None):
+def load_candidate(name: str, engine: EngineSpec | None = None):
+    """`name` loaded as the engine runs it with `engine` (None: conf/engine/default.yaml's settings)."""
     from toolkit.engine.setup import load_engine_model
 
-    loaded = load_engine_model(name, OmegaConf.create({**DEFAULT_ENGINE, **(engine_cfg or {})})
-                               if not OmegaConf.is_config(engine_cfg) else engine_cfg)
+    loaded = load_engine_model(name, engine or EngineSpec())
     loaded.model.eval()
     return loaded
 

@@ -17,6 +17,7 @@ import xxhash
 from toolkit.evaluation.continuation import encode_pairs, score_continuations
 from toolkit.evaluation.items import items_dir
 from toolkit.fileio import write_json_atomic
+from toolkit.kv import KVSpec
 
 SCORER_VERSION = 2  # bump when toolkit.evaluation.continuation changes what it computes
 
@@ -60,13 +61,13 @@ def cached_reference_scores(model, encoded: list, batch_size: int, task: str, sc
     return scores, False
 
 
-def score_pairs(model, tokenizer, pairs: list[tuple[str, str]], reference, max_context: int, batch_size: int, kv_cfg,
-                progress, task: str) -> tuple[list[dict], list[dict], bool]:
+def score_pairs(model, tokenizer, pairs: list[tuple[str, str]], reference, max_context: int, batch_size: int,
+                kv: KVSpec | None, progress, task: str) -> tuple[list[dict], list[dict], bool]:
     """(the model's scores of each (context, continuation) pair, the reference's -- the model's own without a
     reference --, whether the reference's came from the disk cache): what cloze and multiple choice both score."""
     encoded = encode_pairs(tokenizer, pairs, max_context)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    got = score_continuations(model, encoded, pad, batch_size, kv_cfg, progress)
+    got = score_continuations(model, encoded, pad, batch_size, kv, progress)
     if reference is None:
         return got, got, False
     ref, stored = cached_reference_scores(reference, encoded, batch_size, task, lambda: score_continuations(

@@ -18,7 +18,7 @@ from toolkit.evaluation.generation import gen_prompts, score_generation
 from toolkit.evaluation.items import load_items, spread
 from toolkit.evaluation.perplexity import score_windows
 from toolkit.evaluation.windows import make_windows
-from toolkit.kv import kv_kind, quant_config
+from toolkit.kv import KVSpec, kv_spec
 
 TASKS = ("ppl", "kl", "cloze", "mc", "gen")
 
@@ -48,11 +48,12 @@ def resolve_tasks(task: str | list[str]) -> list[str]:
 
 
 def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Settings, reference=None,
-              kv_cfg=None, data: str = "text", log=print, progress: bool = False) -> dict:
+              kv: KVSpec | None = None, data: str = "text", log=print, progress: bool = False) -> dict:
     """{"figures": flat dict of numbers, "protocol": {task: description dict}, "seconds": {task: wall time}}.
     reference=None: the model is its own reference. progress: tqdm bars on stderr."""
-    kind = kv_kind(kv_cfg)
-    through_cache = kind != "fp"
+    kv = kv_spec(kv)
+    kind = kv.kind
+    through_cache = kv.quantized
     if getattr(getattr(model, "specquant_precision", None), "dot", "fp32") == "int8" and set(tasks) - {"ppl"}:
         # int8 activations exist on the native stack only (one sequence at a time): the item and generation tasks
         # batch their rows, which would score the exact path instead
@@ -69,7 +70,7 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
             proto = type(proto)(**{**asdict(proto), "chunk": chunk, "kv": kind})
             log(f"ppl/kl/top-1: {proto.describe()}")
             with tqdm(total=len(windows), desc="ppl", unit="window", leave=False, disable=not progress) as bar:
-                figures.update(score_windows(model, windows, reference, kv_cfg, chunk, settings.batch_size,
+                figures.update(score_windows(model, windows, reference, kv, chunk, settings.batch_size,
                                              bar.update))
             protocol["ppl"] = {**proto.to_dict(), "reference": reference_note,
                                "kl": "KL(reference || candidate), nats per scored token, same windows"}
@@ -80,7 +81,7 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
             describe = (f"{data}: {len(chosen)} of {len(items)} {task} items (content hash {key[:16]}), "
                         f"passages cut to {settings.max_context} tokens (BOS first), each passage prefilled once "
                         f"into the {kind} KV cache, its continuations fed behind it")
-            residual = quant_config(kv_cfg).residual if through_cache else 0
+            residual = kv.residual if through_cache else 0
             if residual >= settings.max_context:
                 describe += (f" (the passages fit the cache's full-precision residual window of {residual} tokens, "
                              f"so no quantized key or value is read: these scores are the fp cache's)")
@@ -88,7 +89,7 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
             rows = len(chosen) * (1 if task == "cloze" else len(chosen[0]["endings"])) * (1 + (reference is not None))
             with tqdm(total=rows, desc=task, unit="row", leave=False, disable=not progress) as bar:
                 scored = scorer(model, tokenizer, chosen, reference, settings.max_context,
-                                settings.item_batch_size, kv_cfg, bar.update)
+                                settings.item_batch_size, kv, bar.update)
             from_cache = scored.pop("ref_from_cache")
             figures.update(scored)
             protocol[task] = {"items": len(chosen), "built": len(items), "items_hash": key,
@@ -102,7 +103,7 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
                         f"{settings.gen_new_tokens} greedy tokens each through the engine (candidate KV cache: "
                         f"{kind}); stop tokens ignored")
             log(f"gen: {describe}")
-            figures.update(score_generation(model, tokenizer, prompts, settings.gen_new_tokens, reference, kv_cfg))
+            figures.update(score_generation(model, tokenizer, prompts, settings.gen_new_tokens, reference, kv))
             protocol["gen"] = {"prompts": len(prompts), "prompt_tokens": settings.gen_prompt_tokens,
                                "new_tokens": settings.gen_new_tokens, "kv": kind, "text": describe,
                                "reference": reference_note}

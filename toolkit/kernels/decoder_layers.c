@@ -66,6 +66,34 @@ typedef struct {
  * at 256 +83 us (why not lower), ctx 64 at 512 -64 us, ctx 128 at 512 -61..-137 us, ctx 300 at 512 -223 us */
 #ifndef SQ_ATTN_PARALLEL_MIN
 #define SQ_ATTN_PARALLEL_MIN 512
+
+/* Optional phase timing (benchmarks/ttft_profile.py, docs/engine.md "Where a short prompt's time goes"): off, a
+ * branch per phase; on, a clock read per phase (~25 ns, ~10 a layer). Phases: 0 norms and residual adds, 1 the four
+ * products, 2 rotary embeddings and the cache writes, 3 attention, 4 SiLU x up. */
+#include <time.h>
+#define SQ_PHASES 5
+static int sq_timing;
+static double sq_phase_s[SQ_PHASES];
+static inline double sq_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+#define SQ_MARK(phase)                                    \
+    do {                                                  \
+        if (sq_timing) {                                  \
+            const double sq_t = sq_now();                 \
+            sq_phase_s[phase] += sq_t - sq_last;          \
+            sq_last = sq_t;                               \
+        }                                                 \
+    } while (0)
+
+/* on != 0: start timing from zero; then (on or off) copy the seconds so far into out[SQ_PHASES] if out != NULL */
+void sq_decoder_timing(int on, double *out) {
+    if (out) memcpy(out, sq_phase_s, sizeof(sq_phase_s));
+    if (on && !sq_timing) memset(sq_phase_s, 0, sizeof(sq_phase_s));
+    sq_timing = on;
+}
 #endif
 
 static int q4_ordered(const sq_q4 *w, const float *x, int64_t M, float *y) {
@@ -309,11 +337,14 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
     float *proj = malloc(sizeof(float) * M * d);
     float *scores = malloc(sizeof(float) * H * M * end);
     int rc = (!xn || !wide || !att || !proj || !scores) ? 3 : 0;
+    double sq_last = sq_timing ? sq_now() : 0.;
     for (int64_t l = 0; l < n_layers && !rc; l++) {
         const sq_layer *L = layers + l;
         float *kc = kbuf[l], *vc = vbuf[l];
         rms_norm(hidden, L->in_norm, M, d, dm->eps, xn);
+        SQ_MARK(0);
         if ((rc = q4(&L->qkv, xn, M, wide))) break;
+        SQ_MARK(1);
         float tmp[512];
         if (hd > 512) { rc = 1; break; }
         for (int64_t m = 0; m < M; m++) {
@@ -328,19 +359,27 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
                 memcpy(vc + (h * cap + start + m) * hd, row + qn + kvn + h * hd, sizeof(float) * hd);
             }
         }
+        SQ_MARK(2);
 #pragma omp parallel for schedule(static) if (H * M * end > SQ_ATTN_PARALLEL_MIN)
         for (int64_t hm = 0; hm < H * M; hm++) {
             const int64_t h = hm / M, m = hm % M, kvh = h / group;
             attend_head(wide + m * qkvn + h * hd, kc + kvh * cap * hd, vc + kvh * cap * hd, start + m + 1, hd,
                    dm->scaling, scores + hm * end, att + m * qn + h * hd);
         }
+        SQ_MARK(3);
         if ((rc = q4(&L->o, att, M, proj))) break;
+        SQ_MARK(1);
         for (int64_t i = 0; i < M * d; i++) hidden[i] += proj[i];
         rms_norm(hidden, L->post_norm, M, d, dm->eps, xn);
+        SQ_MARK(0);
         if ((rc = q4(&L->gate_up, xn, M, wide))) break;
+        SQ_MARK(1);
         for (int64_t m = 0; m < M; m++) silu_mul(wide + m * 2 * I, wide + m * 2 * I + I, xn + m * I, I);
+        SQ_MARK(4);
         if ((rc = q4(&L->down, xn, M, proj))) break;
+        SQ_MARK(1);
         for (int64_t i = 0; i < M * d; i++) hidden[i] += proj[i];
+        SQ_MARK(0);
     }
     free(xn);
     free(wide);

@@ -1,5 +1,7 @@
-"""The options of a quantized KV cache, read once from a `kv` config node (conf/kv/*.yaml) and checked."""
+"""The `kv` config group (conf/kv/*.yaml) resolved once: `KVSpec` (the kind) and `KVQuantConfig` (a quantized
+cache's options), read from the node and checked."""
 
+import dataclasses
 from dataclasses import dataclass
 
 from toolkit.errors import InputError
@@ -81,26 +83,87 @@ class KVQuantConfig:
         return (length - self.residual) // self.group_size * self.group_size
 
 
-def with_rollback(kv_cfg, depth: int, what: str):
-    """`kv_cfg` (a kv config node or kind) for a cache that `what` will crop by up to `depth` tokens at a time (a
-    speculative loop appends k + 1 tokens per verify pass and may roll all of them back): its kv.rollback raised to
-    `depth` where shorter, so the shadows are sized for it. Refuses, before anything runs, a cache kept without
-    shadows (kv.crop_shadow=false) whose full-precision window is shallower than that."""
-    from toolkit.kv import kv_kind, quant_config
+KINDS = ("fp", "int8", "int4", "int2")
+_BITS = {"int8": 8, "int4": 4, "int2": 2}
 
-    if kv_kind(kv_cfg) == "fp":
-        return kv_cfg
-    cfg = quant_config(kv_cfg)
-    if not cfg.crop_shadow:
-        if cfg.residual < depth:
-            raise InputError(f"kv.crop_shadow=false with kv.residual={cfg.residual}: {what} rolls back up to {depth} "
-                             "tokens, past the full-precision window",
-                             f"set kv.crop_shadow=true or kv.residual>={depth}")
-        return kv_cfg
-    if cfg.rollback >= depth:
-        return kv_cfg
-    node = {"kind": kv_cfg} if isinstance(kv_cfg, str) else dict(kv_cfg)
-    return {**node, "rollback": depth}
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The `kv` config group (conf/kv/*.yaml) resolved once: the cache's kind and, for a quantized kind, its options
+    (`quant`, checked by KVQuantConfig). `KVSpec.from_node` is the one resolver, called at the CLI boundary;
+    `make_kv_cache`, the speculative loop, eval, bench, serve and diagnose take the KVSpec it returns."""
+    kind: str = "fp"
+    quant: KVQuantConfig | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise InputError(f"unknown KV cache kind {self.kind!r}", f"use kv= one of {', '.join(KINDS)}")
+        if self.kind == "fp" and self.quant is not None:
+            raise InputError("kv=fp has no quantization options", "use kv=int8, int4 or int2")
+        if self.kind != "fp":
+            if self.quant is None:
+                object.__setattr__(self, "quant", KVQuantConfig.from_node({"bits": _BITS[self.kind]}))
+            elif self.quant.bits != _BITS[self.kind]:
+                raise InputError(f"kv={self.kind} with kv.bits={self.quant.bits}",
+                                 f"drop kv.bits or use kv=int{self.quant.bits}")
+
+    @classmethod
+    def from_node(cls, node=None) -> "KVSpec":
+        """From a kv node (hydra's DictConfig or a dict: `kind` plus the quantized kinds' keys of conf/kv/), a kind
+        name alone (its defaults), None (full precision) or a KVSpec (returned as is)."""
+        if isinstance(node, KVSpec):
+            return node
+        if node is None:
+            return cls()
+        if isinstance(node, str):
+            return cls(node)
+        from omegaconf import DictConfig, OmegaConf
+
+        values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        kind = values.pop("kind", "fp")
+        if kind not in KINDS:
+            raise InputError(f"unknown KV cache kind {kind!r}", f"use kv= one of {', '.join(KINDS)}")
+        known = {f.name for f in dataclasses.fields(KVQuantConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InputError(f"unknown kv option(s) {', '.join(unknown)}",
+                             f"see conf/kv/{kind if kind != 'fp' else 'int4'}.yaml for what a quantized cache takes")
+        if kind == "fp":
+            return cls()  # a full-precision cache has no options: a quantized kind's keys left in the node are moot
+        bits = int(values.get("bits", _BITS[kind]))
+        if bits != _BITS[kind]:
+            raise InputError(f"kv={kind} with kv.bits={bits}", f"drop kv.bits or use kv=int{bits}")
+        return cls(kind, KVQuantConfig.from_node({**values, "bits": bits}))
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "fp"
+
+    @property
+    def residual(self) -> int | None:
+        """Tokens kept in full precision at the end of a quantized cache (None for kv=fp: all of them)."""
+        return self.quant.residual if self.quant is not None else None
+
+    def __str__(self) -> str:
+        return self.kind
+
+    def with_rollback(self, depth: int, what: str) -> "KVSpec":
+        """This cache's spec for a cache that `what` will crop by up to `depth` tokens at a time (a speculative loop
+        appends k + 1 tokens per verify pass and may roll all of them back): kv.rollback raised to `depth` where
+        shorter, so the shadows are sized for it. Refuses, before anything runs, a cache kept without shadows
+        (kv.crop_shadow=false) whose full-precision window is shallower than that."""
+        cfg = self.quant
+        if cfg is None:
+            return self
+        if not cfg.crop_shadow:
+            if cfg.residual < depth:
+                raise InputError(f"kv.crop_shadow=false with kv.residual={cfg.residual}: {what} rolls back up to "
+                                 f"{depth} tokens, past the full-precision window",
+                                 f"set kv.crop_shadow=true or kv.residual>={depth}")
+            return self
+        if cfg.rollback >= depth:
+            return self
+        return KVSpec(self.kind, dataclasses.replace(cfg, rollback=depth))
 
 
 def compute_dtype(model):

@@ -24,7 +24,7 @@ Why: the state is a function of the length alone (`flushed_tokens`, `flushed_val
 the un-flushed tokens' originals back in full precision (dequantize-requantize cannot give them back; the shadows
 can) and the un-flushed group's keys back in staging (the ring still holds their INT8 codes, and a fresh cache makes
 its groups from staged keys too). kv.rollback defaults to 1 (a decode step can be redone); speculative decoding
-raises it to k + 1 on the caches it makes (`config.with_rollback`). A crop that would need what is no longer kept
+raises it to k + 1 on the caches it makes (`KVSpec.with_rollback`). A crop that would need what is no longer kept
 raises instead of silently diverging. All of it is counted in `nbytes`; without shadows (`kv.crop_shadow=false`)
 crops that stay inside the full-precision window still work and deeper ones raise.
 

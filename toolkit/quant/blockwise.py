@@ -20,8 +20,8 @@
    A quantizer with ``prepare_block`` (AWQ) gets the block, its Linears, accumulators and the norm feeding each
    Linear first (scale search and fold); it always runs as one stage, since it folds scales into v/up.
    Then the block runs again to produce the inputs of block ``i + 1`` from the *quantized* block (GPTQ's
-   sequential-across-blocks scheme), or, for AWQ with ``awq_next_inputs="float"``, the statistics forward's own
-   (float) outputs are those inputs (AutoAWQ's scheme).
+   sequential-across-blocks scheme), or, for AWQ with ``experimental.awq_next_inputs="float"`` (the default), the
+   statistics forward's own (float) outputs are those inputs (AutoAWQ's scheme).
 3. With every sample in one batch (``recipe.calib_batch == 0``, the default) a true-sequential block needs no
    stages: `quantize_in_one_forward` hooks the first Linear of each input group, and in ONE forward of the
    batch each hook builds its group's statistics, quantizes the group and writes the weights before the Linear
@@ -265,9 +265,10 @@ def quantize_blockwise(model: nn.Module, recipe: QuantRecipe, batches: torch.Ten
                     inputs = [outputs]
                 else:
                     prepare = getattr(layer_quantizer, "prepare_block", None)
-                    # AWQ, awq_next_inputs=float: the statistics forward's outputs (the float block's) feed block
-                    # i + 1, as in AutoAWQ, and no outputs pass runs
-                    float_outputs = [] if prepare is not None and recipe.awq_next_inputs == "float" else None
+                    # AWQ, experimental.awq_next_inputs=float: the statistics forward's outputs (the float
+                    # block's) feed block i + 1, as in AutoAWQ, and no outputs pass runs
+                    float_next = recipe.experimental.awq_next_inputs == "float"
+                    float_outputs = [] if prepare is not None and float_next else None
                     stages = quantization_stages(per_block[i], sequential)
                     for k, stage in enumerate(stages):
                         stage_linears = {name: per_block[i][name] for name in stage}

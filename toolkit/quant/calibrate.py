@@ -137,9 +137,10 @@ def _fold_recipe(recipe: QuantRecipe) -> QuantRecipe:
     """The recipe of AWQ's scales-only pass: AWQ's own knobs; GPTQ's and the tuning's at their defaults (a resumed
     run that changes only them reuses the fold); each block searched on the float block's outputs (with nothing
     rounded there are no quantized outputs to take)."""
-    gptq_only = ("damp_percent", "act_order", "static_groups", "block_size", "mse", "gptaq_alpha", "gptaq_max_step")
+    gptq_only = ("damp_percent", "act_order", "static_groups", "mse", "gptaq_alpha", "gptaq_max_step")
     defaults = {f.name: f.default for f in dataclasses.fields(QuantRecipe) if f.name in gptq_only}
-    return without_tuning(dataclasses.replace(recipe, awq_next_inputs="float", **defaults))
+    experimental = dataclasses.replace(recipe.experimental, awq_next_inputs="float")
+    return without_tuning(dataclasses.replace(recipe, experimental=experimental, **defaults))
 
 
 def fold_awq_scales(model: nn.Module, recipe: QuantRecipe, batches: torch.Tensor, device="cpu",

@@ -55,7 +55,7 @@ class GPTQLayerQuantizer:
     def quantize(self, name: str, linear: nn.Linear, accumulator) -> QuantizedWeight:
         r = self.recipe
         qw, _loss = gptq_quantize(linear.weight, accumulator.hessian, r.config, damp_percent=r.damp_percent,
-                                  block_size=r.block_size, act_order=r.act_order, static_groups=r.static_groups,
+                                  act_order=r.act_order, static_groups=r.static_groups,
                                   mse=r.mse, bias=linear.bias, delta_xxt=accumulator.delta_xxt,
                                   asym_alpha=r.gptaq_alpha, asym_max_step=r.gptaq_max_step)
         return qw
@@ -66,7 +66,7 @@ class GPTQLayerQuantizer:
         r = self.recipe
         stacked = torch.cat([lin.weight for lin in linears])
         qw, _loss = gptq_quantize(stacked, accumulator.hessian, r.config, damp_percent=r.damp_percent,
-                                  block_size=r.block_size, act_order=r.act_order, static_groups=r.static_groups,
+                                  act_order=r.act_order, static_groups=r.static_groups,
                                   mse=r.mse, delta_xxt=accumulator.delta_xxt, asym_alpha=r.gptaq_alpha,
                                   asym_max_step=r.gptaq_max_step)
         parts, start = [], 0
@@ -82,7 +82,7 @@ class GPTQLayerQuantizer:
     def fingerprint(self) -> dict:
         r = self.recipe
         return {"method": "gptq", "config": dataclasses.asdict(r.config), "damp_percent": r.damp_percent,
-                "block_size": r.block_size, "act_order": r.act_order, "static_groups": r.static_groups, "mse": r.mse,
+                "act_order": r.act_order, "static_groups": r.static_groups, "mse": r.mse,
                 "gptaq_alpha": r.gptaq_alpha, "gptaq_max_step": r.gptaq_max_step}
 
 
@@ -103,9 +103,10 @@ def layer_quantizer_for(recipe: QuantRecipe, device="cpu"):
 def awq_options(recipe: QuantRecipe, device="cpu") -> AWQOptions:
     """AWQOptions from a recipe; the MLP candidates of the scale search run in the calibration dtype."""
     mlp_dtype = "bf16" if calibration_dtype(recipe, device) is torch.bfloat16 else "fp32"
-    return AWQOptions(grid=recipe.awq_grid, coarse_step=recipe.awq_coarse_step, duo_scaling=recipe.awq_duo_scaling,
-                      clip=recipe.awq_clip, clip_grid=recipe.awq_clip_grid, max_shrink=recipe.awq_max_shrink,
-                      clip_tokens=recipe.awq_clip_tokens, clip_asym=recipe.awq_clip_asym,
+    x = recipe.experimental
+    return AWQOptions(grid=recipe.awq_grid, coarse_step=recipe.awq_coarse_step, duo_scaling=x.awq_duo_scaling,
+                      clip=recipe.awq_clip, clip_grid=x.awq_clip_grid, max_shrink=x.awq_max_shrink,
+                      clip_tokens=x.awq_clip_tokens, clip_asym=recipe.awq_clip_asym,
                       search_samples=recipe.awq_search_samples, mlp_dtype=mlp_dtype, gqa_v_o=recipe.awq_gqa_v_o)
 
 

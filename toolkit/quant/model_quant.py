@@ -31,6 +31,29 @@ METHODS = ("rtn", "gptq", "awq")  # gptq and awq need calibration data
 CALIB_DTYPES = ("fp32", "bf16", "auto")
 AWQ_ROUNDINGS = ("rtn", "gptq", "gptq-sequential")
 DEFAULT_SKIP = ("lm_head",)
+# keys older versions recorded in a checkpoint's recipe and no longer has (always at these values in the shipped
+# recipes): `QuantRecipe.from_dict` drops them, so those checkpoints still load
+RETIRED_KEYS = ("block_size",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Experimental:
+    """Knobs no recipe sets, kept for the tests and the measured experiments in docs/notes (AWQ's; other methods
+    ignore them). On the command line: ``quantize.experimental.<key>=...``."""
+
+    awq_duo_scaling: bool = False  # AutoAWQ's duo_scaling: s = |x|^a / |w|^(1-a) instead of the paper's |x|^a
+    awq_clip_grid: int = 20  # shrink steps of the clip search (AutoAWQ's n_grid there)
+    awq_max_shrink: float = 0.5  # the clip search shrinks max|w| by at most this fraction
+    awq_clip_tokens: int = 512  # tokens (evenly spaced over the calibration data) the clip search measures on
+    # where block i + 1's calibration inputs come from: "float" (block i's float outputs, AutoAWQ's way: one
+    # forward per block) or "quantized" (block i after scaling, clipping and rounding, as GPTQ does: a second
+    # forward). Same quality on SmolLM2 (KL 0.123 vs 0.124), float 1.4x faster
+    awq_next_inputs: str = "float"
+
+    def __post_init__(self):
+        if self.awq_next_inputs not in ("quantized", "float"):
+            raise ValueError(f"QuantRecipe.experimental.awq_next_inputs must be quantized or float; "
+                             f"got {self.awq_next_inputs!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +77,6 @@ class QuantRecipe:
     damp_percent: float = 0.01
     act_order: bool = False
     static_groups: bool = False
-    block_size: int = 128
     # GPTQ and RTN: choose each group's range by the reference quantizer's MSE grid search (Quantizer(mse=True))
     mse: bool = False
     # GPTQ: GPTAQ's asymmetric calibration (Li et al. 2025, GPTQModel's v2): fit each layer to the FLOAT model's
@@ -80,20 +102,12 @@ class QuantRecipe:
     # AWQ's knobs (toolkit.quant.awq.AWQOptions, AutoAWQ names in comments); other methods ignore them
     awq_grid: int = 20  # n_grid: alphas i/grid tried in the scale search
     awq_coarse_step: int = 1  # 1: every alpha; s > 1: every s-th, then the best one's neighbours (AWQOptions)
-    awq_duo_scaling: bool = False  # AutoAWQ duo_scaling: s = |x|^a / |w|^(1-a) instead of the paper's |x|^a
     awq_clip: bool = True  # apply_clip: run the weight clip search
-    awq_clip_grid: int = 20  # shrink steps of the clip search
-    awq_max_shrink: float = 0.5  # max_shrink: clip max|w| by at most this fraction
-    awq_clip_tokens: int = 512  # n_sample_token: tokens the clip search measures on
     awq_clip_asym: bool = False  # asymmetric grids: shrink each group's ends separately after the symmetric search
     awq_search_samples: int = 8  # calibration sequences the scale-search loss is measured on
     # v -> o under GQA too: one scale per v output, shared by the query heads that read its kv head (AutoAWQ: only
     # without GQA). SmolLM2, Qwen and Gemma 3 all use GQA, so without it their o_proj gets no scales
     awq_gqa_v_o: bool = False
-    # where block i + 1's calibration inputs come from: "float" (block i's float outputs, AutoAWQ's way: one
-    # forward per block) or "quantized" (block i after scaling, clipping and rounding, as GPTQ does: a second
-    # forward). Same quality on SmolLM2 (KL 0.123 vs 0.124), float 1.4x faster
-    awq_next_inputs: str = "float"
     # how AWQ rounds the scaled, clipped weights: "rtn" (the paper's round-to-nearest), "gptq" (GPTQ's error
     # feedback under the scaled inputs' Hessian, with the GPTQ knobs above: damp_percent, act_order, ..., in the
     # same pass, each layer on its float sublayers' inputs) or "gptq-sequential" (two passes: AWQ's scale search
@@ -114,16 +128,26 @@ class QuantRecipe:
     dataset: str = "pydoc"
     n_samples: int = 128
     seq_len: int = 512
+    # knobs no recipe sets (`Experimental`); a mapping of its keys is accepted too
+    experimental: Experimental = Experimental()
 
     def __post_init__(self):
+        if isinstance(self.experimental, dict):
+            try:
+                object.__setattr__(self, "experimental", Experimental(**self.experimental))
+            except TypeError:
+                known = [f.name for f in dataclasses.fields(Experimental)]
+                raise ValueError(f"unknown QuantRecipe.experimental keys {sorted(set(self.experimental) - set(known))}"
+                                 f"; known: {known}") from None
+        elif not isinstance(self.experimental, Experimental):
+            raise TypeError(f"QuantRecipe.experimental must be a mapping of {Experimental.__name__}'s keys; "
+                             f"got {self.experimental!r}")
         if self.method not in METHODS:
             raise ValueError(f"QuantRecipe.method must be one of {', '.join(METHODS)}; got {self.method!r}")
         QuantConfig(bits=self.bits, group_size=self.group_size, symmetric=self.symmetric)  # validates, or raises
         if self.calib_dtype not in CALIB_DTYPES:
             raise ValueError(f"QuantRecipe.calib_dtype must be one of {', '.join(CALIB_DTYPES)}; "
                              f"got {self.calib_dtype!r}")
-        if self.awq_next_inputs not in ("quantized", "float"):
-            raise ValueError(f"QuantRecipe.awq_next_inputs must be quantized or float; got {self.awq_next_inputs!r}")
         if self.awq_rounding not in AWQ_ROUNDINGS:
             raise ValueError(f"QuantRecipe.awq_rounding must be one of {', '.join(AWQ_ROUNDINGS)}; "
                              f"got {self.awq_rounding!r}")
@@ -177,12 +201,22 @@ class QuantRecipe:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> QuantRecipe:
+    def from_dict(cls, d: dict, *, retired_ok: bool = True) -> QuantRecipe:
+        """A recipe from `to_dict`'s mapping, or an older version's: its flat `Experimental` keys
+        (``awq_clip_grid``, ...) go into ``experimental``, and (``retired_ok``) the `RETIRED_KEYS` are dropped."""
+        d = dict(d)
+        experimental = dict(d.pop("experimental", None) or {})
+        for name in [f.name for f in dataclasses.fields(Experimental)]:
+            if name in d:
+                experimental.setdefault(name, d.pop(name))
+        if retired_ok:
+            for name in RETIRED_KEYS:
+                d.pop(name, None)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - fields
         if unknown:
             raise ValueError(f"unknown QuantRecipe keys {sorted(unknown)}; known: {sorted(fields)}")
-        return cls(**d)
+        return cls(**d, experimental=experimental)
 
 
 def _patterns(value, what: str) -> tuple[str, ...]:

@@ -16,8 +16,9 @@ def protocol_marks(rows) -> tuple[dict, dict]:
     return quality, speed
 
 
-COLUMNS = ["configuration", "ppl (ref)", "Δppl", "KL", "top-1", "cloze (ref)", "mc (ref)", "gen prefix",
-           "decode tok/s", "TTFT ms", "ITL ms", "x transformers", "x no-spec", "accepted"]
+COLUMNS = ["configuration", "precision", "ppl (ref)", "Δppl", "KL", "top-1", "cloze (ref)", "mc (ref)", "gen prefix",
+           "decode tok/s", "TTFT ms", "ITL ms", "x transformers", "x llama.cpp", "TTFT x llama.cpp", "x no-spec",
+           "accepted"]
 
 
 def cells(row, qmarks: dict, smarks: dict) -> list[str]:
@@ -38,12 +39,13 @@ def cells(row, qmarks: dict, smarks: dict) -> list[str]:
     itl = s.get("itl_ms") or {}
     itl_text = _fmt(itl.get("p50"), ".1f") if "p50" in itl else (f"{itl['mean']:.1f} mean" if "mean" in itl else "—")
     accepted = (f"{s['acceptance_rate']:.2f} ({s['mean_accepted']:.1f}/round)" if "acceptance_rate" in s else "—")
-    return [row.label, qv(ppl), qv(_fmt(None if increase is None else 100 * increase, "+.2f") + ("%" if increase
-            is not None else "")), qv(_fmt(q.get("kl"), ".4f")), qv(_fmt(q.get("top1_agreement"), ".3f")), qv(cloze),
-            qv(mc), qv(_fmt(q.get("gen_prefix_match"), ".3f")), sv(_fmt(s.get("decode_tokens_per_s"), ".1f")),
-            sv(_fmt(s.get("ttft_ms"), ".1f")), sv(itl_text), sv(_fmt(s.get("speedup_vs_baseline"), ".2f")),
-            sv(_fmt(s.get("speedup_vs_nospec"), ".2f") + ("" if s.get("identical_outputs", True) else
-                                                           " (outputs differ)")), sv(accepted)]
+    delta = _fmt(None if increase is None else 100 * increase, "+.2f") + ("%" if increase is not None else "")
+    nospec = _fmt(s.get("speedup_vs_nospec"), ".2f") + ("" if s.get("identical_outputs", True) else " (outputs differ)")
+    return [row.label, row.precision or "—", qv(ppl), qv(delta), qv(_fmt(q.get("kl"), ".4f")),
+            qv(_fmt(q.get("top1_agreement"), ".3f")), qv(cloze), qv(mc), qv(_fmt(q.get("gen_prefix_match"), ".3f")),
+            sv(_fmt(s.get("decode_tokens_per_s"), ".1f")), sv(_fmt(s.get("ttft_ms"), ".1f")), sv(itl_text),
+            sv(_fmt(s.get("speedup_vs_baseline"), ".2f")), sv(_fmt(s.get("speedup_vs_llamacpp"), ".2f")),
+            sv(_fmt(s.get("ttft_speedup_vs_llamacpp"), ".2f")), sv(nospec), sv(accepted)]
 
 
 def render_markdown(rows, title: str = "Benchmarks", note: str = "") -> str:
@@ -58,7 +60,13 @@ def render_markdown(rows, title: str = "Benchmarks", note: str = "") -> str:
               "(the same weights and cache without it): greedy speculative decoding emits exactly the target's "
               "tokens, checked in the x no-spec column. ITL: p50 of the per-token gaps; for speculative rows "
               "the mean (their tokens arrive in bursts). x transformers: decode tokens/s over transformers "
-              "`generate()` (fp32) interleaved in the same run. x no-spec: wall time of the same engine, weights "
+              "`generate()` (fp32) interleaved in the same run. x llama.cpp: decode tokens/s over llama.cpp's "
+              "(llama-cpp-python, on the model's GGUF requantized to the type nearest the engine's weights: F16, Q8_0 "
+              "or Q4_0) interleaved in the same run on the same prompt token ids and threads; TTFT x llama.cpp: "
+              "llama.cpp's TTFT over the engine's. A llama.cpp row follows each row whose run included it: that "
+              "run's llama.cpp figures, its greedy token agreement with the engine, no quality figures (its weights "
+              "are not the engine's). precision: what the engine computed in (weights / activations). "
+              "x no-spec: wall time of the same engine, weights "
               "and KV cache without speculation over the time with it, interleaved in the same run, outputs "
               "compared token for token. accepted: the share of drafted tokens the target accepted (mean accepted "
               "per verify round).")

@@ -26,7 +26,8 @@ def plottable(rows) -> list:
 
 
 def _weights_label(row) -> str:
-    return row.label.split(",")[0]
+    """The weights (and non-default engine settings such as engine.native_dot=int8): one colour each."""
+    return row.label.split(",")[0] + (f" {row.variant}" if getattr(row, "variant", "") else "")
 
 
 def plot_pareto(rows, path: str | Path, title: str = "Quality vs decode speed") -> Path | None:

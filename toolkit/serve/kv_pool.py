@@ -13,15 +13,15 @@ staging slots and as many quantized blocks as the rest of the budget allows (`pl
 
 from dataclasses import dataclass
 
-from toolkit.kv import kv_kind, quant_config
+from toolkit.kv import KVSpec, kv_spec
 from toolkit.kv.paged import PagedKVCache
 from toolkit.kv.paged.quantized_storage import paged_cache_for, plan_pool
 
 
 def make_cache(model, max_kv_tokens: int, block_size: int, kv_budget_mb: float | None,
-               prefix_cache: bool = True, kv=None, max_sequences: int = 16, step_tokens: int = 1,
+               prefix_cache: bool = True, kv: KVSpec | None = None, max_sequences: int = 16, step_tokens: int = 1,
                prefill_tokens: int = 2048) -> PagedKVCache:
-    if kv_kind(kv) == "fp":
+    if not kv_spec(kv).quantized:
         if kv_budget_mb is not None:
             return PagedKVCache.with_budget(model, int(kv_budget_mb * 2**20), block_size, prefix_cache=prefix_cache)
         return PagedKVCache(model, -(-max_kv_tokens // block_size), block_size, prefix_cache=prefix_cache)
@@ -32,9 +32,9 @@ def make_cache(model, max_kv_tokens: int, block_size: int, kv_budget_mb: float |
     return paged_cache_for(model, kv, -(-max_kv_tokens // block_size), block_size, prefix_cache, **sizing)
 
 
-def residual_tokens(kv) -> int | None:
+def residual_tokens(kv: KVSpec | None) -> int | None:
     """How far behind its sequence's end a quantized block is sealed (None for kv=fp: nothing is ever sealed)."""
-    return None if kv_kind(kv) == "fp" else quant_config(kv).residual
+    return kv_spec(kv).residual
 
 
 def staging_blocks(cache: PagedKVCache, tokens: int) -> int:

@@ -45,13 +45,14 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from toolkit.engine.generate import Detokenizer, paged_forward
 from toolkit.engine.precision import bf16_prefill
 from toolkit.engine.sampling import sample
+from toolkit.kv import KVSpec
 from toolkit.kv.paged import OutOfBlocks
 from toolkit.kv.paged.attention import use_paged_attention
 from toolkit.serve.kv_pool import make_cache, prefill_cost, residual_tokens, staging_blocks
@@ -76,7 +77,7 @@ class Limits:
     block_size: int = 16  # tokens per KV block
     prefix_cache: bool = True  # reuse the blocks of a cached prompt prefix
     kv_budget_mb: float | None = None  # the KV block pool in MiB; when set, instead of max_kv_tokens
-    kv: object = None  # the kv config (node, kind name, or None = fp): full-precision or quantized blocks
+    kv: KVSpec = field(default_factory=KVSpec)  # the KV cache settings: full-precision or quantized blocks
 
 
 class QueueFull(Exception):

@@ -10,13 +10,13 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
 from toolkit.engine.generate import context_length, stop_token_ids
 from toolkit.errors import InputError
-from toolkit.kv import kv_kind
+from toolkit.kv import KVSpec, kv_spec
 from toolkit.kv.paged import PagedKVCache
 from toolkit.serve.app import ServerState, create_app
 from toolkit.serve.metrics import ServerMetrics
@@ -40,7 +40,7 @@ class ServeSettings:
     kv_budget_mb: float | None = None  # the KV block pool in MiB; when set, it sizes the pool instead
     block_size: int = 16  # tokens per KV block
     prefix_cache: bool = True  # reuse cached prompt-prefix blocks
-    kv: object = None  # the kv config group (node or kind name; None = fp): int8/int4/int2 quantize the blocks
+    kv: KVSpec = field(default_factory=KVSpec)  # KVSpec.from_node of the kv group: int8/int4/int2 quantize blocks
     spec: object = None  # the spec config group (node or kind name; None = none): lookup is served
     spec_max_batch: int = 4  # speculate only while the running batch has at most this many rows
     max_body_mb: float = 4.0  # request bodies over this many MiB: 413
@@ -57,7 +57,7 @@ def build_state(loaded, settings: ServeSettings) -> ServerState:
         if value < 1:
             raise InputError(f"{name} must be >= 1, got {value}", f"set {name}= to a positive number")
     spec = serve_spec(settings.spec, settings.spec_max_batch)
-    if settings.kv_budget_mb is not None and kv_kind(settings.kv) == "fp":  # quantized: plan_pool says why not
+    if settings.kv_budget_mb is not None and not kv_spec(settings.kv).quantized:  # quantized: plan_pool says why not
         per_block = PagedKVCache.bytes_per_block(model, settings.block_size)
         if settings.kv_budget_mb * 2**20 < per_block:
             raise InputError(f"kv_budget_mb={settings.kv_budget_mb} holds no KV block: one block of "

@@ -30,9 +30,9 @@ def lookup_draft(spec_cfg) -> LookupDraft:
     return LookupDraft(spec.ngram_max, spec.ngram_min, spec.scale_by_match, spec.agree_tokens, spec.doubt_k)
 
 
-def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = None, engine_cfg=None):
+def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = None, engine=None):
     """The draft `spec_cfg` (a SpecConfig, a spec node or a kind name) describes, for `target` (a prepared engine
-    model) and its tokenizer; None for none."""
+    model) and its tokenizer; None for none. `engine`: the EngineSpec a spec=draft model is loaded with."""
     spec = SpecConfig.of(spec_cfg)
     if spec.kind == "none":
         return None
@@ -53,9 +53,9 @@ def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = N
                                                            "quantized checkpoint with the target's tokenizer)")
     from toolkit.engine.setup import load_engine_model
 
-    if engine_cfg is None:
-        raise InputError("spec=draft needs the engine config to load its model", "pass engine_cfg")
-    loaded = load_engine_model(str(spec.model), engine_cfg)
+    if engine is None:
+        raise InputError("spec=draft needs the engine settings to load its model", "pass engine=EngineSpec")
+    loaded = load_engine_model(str(spec.model), engine)
     _draft_head(spec, loaded.model, tokenizer)
     _draft_activations(spec, loaded.model)
     return ModelDraft(loaded.model, target_tokenizer=tokenizer, draft_tokenizer=loaded.tokenizer, **common)

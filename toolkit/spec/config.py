@@ -9,10 +9,11 @@ choices (no shared KV, no draft head, fp32 activations), which the YAML's tuned 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import InputError
+from toolkit.kv.config import KVSpec
 
 KINDS = ("none", "lookup", "self", "draft")
 _CONF = Path(__file__).resolve().parent.parent / "conf" / "spec"
@@ -37,7 +38,7 @@ class SpecConfig:
     layers: int | None = None
     bits: int | None = 4
     group_size: int = 64
-    kv: object = "fp"  # the draft's own KV cache config (conf/kv/), as the kv group takes it
+    kv: KVSpec = field(default_factory=KVSpec)  # the draft's own KV cache (conf/kv/: a kind or a kv node)
     share_kv: bool = False
     min_confidence: float = 0.0
     head_bits: int | None = None
@@ -67,7 +68,7 @@ class SpecConfig:
         if unknown:
             raise InputError(f"unknown spec option(s) {', '.join(unknown)}",
                              f"see conf/spec/{kind}.yaml for what spec={kind} takes")
-        spec = cls(**values)
+        spec = cls(**{**values, "kv": KVSpec.from_node(values.get("kv"))})
         spec.check()
         return spec
 

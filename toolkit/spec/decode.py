@@ -32,6 +32,7 @@ from toolkit.engine.generate import (
 from toolkit.engine.precision import bf16_prefill
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.errors import InputError
+from toolkit.kv.config import KVSpec
 from toolkit.spec.ragged import RaggedBatch
 from toolkit.spec.verify import verify
 from toolkit.timing import GenerationTiming
@@ -112,12 +113,11 @@ def capacity(width: int, new_tokens: int, k_max: int, batch: int) -> int:
 
 def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, length: DraftLength = DraftLength(),
                          sampling: SamplingParams | None = None, stop_strings: Sequence[str] = (),
-                         stop_tokens: set[int] | None = None, on_token: TokenCallback | None = None, kv=None,
-                         generator: torch.Generator | None = None) -> SpecResult:
+                         stop_tokens: set[int] | None = None, on_token: TokenCallback | None = None,
+                         kv: KVSpec | None = None, generator: torch.Generator | None = None) -> SpecResult:
     """Generate like `engine.generate.generate` (same arguments, same outputs: greedy output is token-identical
     to it, sampled output has the same distribution), with `draft` proposing tokens the target verifies."""
-    from toolkit.kv import make_kv_cache
-    from toolkit.kv.config import with_rollback
+    from toolkit.kv import kv_spec, make_kv_cache
 
     sampling = sampling or SamplingParams()
     encoded = encode_prompts(tokenizer, prompts)
@@ -128,9 +128,9 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
     width = max(len(ids) for ids in encoded)
     k_max = length.k_max if length.adaptive else length.k
     # a verify pass feeds k + 1 tokens and may roll them all back: quantized caches keep shadows that deep
-    kv = with_rollback(kv, k_max + 1, f"speculative decoding with k={k_max} (the target's cache)")
-    if hasattr(draft, "kv"):  # a model draft's own cache (with_rollback passes fp and None through)
-        draft.kv = with_rollback(draft.kv, k_max + 1, f"speculative decoding with k={k_max} (the draft's cache)")
+    kv = kv_spec(kv).with_rollback(k_max + 1, f"speculative decoding with k={k_max} (the target's cache)")
+    if hasattr(draft, "kv"):  # a model draft's own cache (with_rollback passes fp through)
+        draft.kv = draft.kv.with_rollback(k_max + 1, f"speculative decoding with k={k_max} (the draft's cache)")
     if generator is None:
         generator = sampling.generator(next(model.parameters()).device)
     if hasattr(draft, "generator") and draft.generator is None:

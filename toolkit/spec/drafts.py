@@ -17,6 +17,7 @@ import torch
 
 from toolkit.engine.sampling import SamplingParams, argmax, probabilities
 from toolkit.errors import InputError
+from toolkit.kv import KVSpec, kv_spec
 from toolkit.spec.ragged import RaggedBatch
 
 
@@ -155,14 +156,14 @@ class ModelDraft:
     deterministic = False
 
     def __init__(self, model, sampling: SamplingParams | None = None, target_tokenizer=None,
-                 draft_tokenizer=None, target_vocab: int | None = None, kv=None, min_confidence: float = 0.0,
-                 generator: torch.Generator | None = None, share_kv: bool = False):
+                 draft_tokenizer=None, target_vocab: int | None = None, kv: KVSpec | None = None,
+                 min_confidence: float = 0.0, generator: torch.Generator | None = None, share_kv: bool = False):
         problem = vocab_mismatch(target_tokenizer, draft_tokenizer)
         if problem:
             raise InputError(f"the draft model's tokenizer does not match the target's: {problem}",
                              "use a draft from the same model family (same tokenizer), e.g. a smaller size or a "
                              "quantized checkpoint of the target, or spec=lookup / spec=self")
-        self.model, self.sampling, self.kv = model, sampling or SamplingParams(), kv
+        self.model, self.sampling, self.kv = model, sampling or SamplingParams(), kv_spec(kv)
         self.target_vocab, self.min_confidence, self.generator = target_vocab, min_confidence, generator
         self.state: RaggedBatch | None = None
         self.share_kv = share_kv
@@ -172,13 +173,13 @@ class ModelDraft:
         self.subset = head if hasattr(head, "vocab_ids") else None
 
     def reset(self, target: RaggedBatch, capacity: int) -> None:
-        from toolkit.kv import kv_kind, make_kv_cache
+        from toolkit.kv import make_kv_cache
         from toolkit.kv.contiguous import ContiguousKVCache
         from toolkit.kv.quantized_cache import QuantizedKVCache
 
         batch = target.batch
         # in place: a full-precision target cache is the draft's own cache too (see the class docstring)
-        self.in_place = (self.share_kv and batch == 1 and kv_kind(self.kv) == "fp"
+        self.in_place = (self.share_kv and batch == 1 and not self.kv.quantized
                          and type(target.cache) is ContiguousKVCache
                          and self.model.config.num_hidden_layers <= len(target.cache.layers))
         cache = target.cache if self.in_place else make_kv_cache(self.model, capacity, self.kv)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.errors import InputError
-from toolkit.kv import kv_kind, native, quant_config
+from toolkit.kv import kv_spec, native
 from toolkit.kv.config import compute_dtype
 from toolkit.kv.memory import model_kv_shape
 from toolkit.kv.paged.pool import OutOfBlocks
@@ -365,11 +365,11 @@ class PoolPlan:
     nbytes: int  # what the storage will hold (<= the budget)
 
 
-def plan_pool(model, kv_cfg, budget_bytes: int, block_size: int = 16, max_sequences: int = 8,
+def plan_pool(model, kv, budget_bytes: int, block_size: int = 16, max_sequences: int = 8,
               step_tokens: int = 1, prefill_tokens: int = 0) -> PoolPlan:
     """Blocks and staging slots a quantized storage gets from `budget_bytes`: staging for `max_sequences` (see
     `staging_slots_for`), the rest in blocks."""
-    cfg = _quant_cfg(kv_cfg)
+    cfg = _quant_cfg(kv)
     shape, dtype = model_kv_shape(model), compute_dtype(model)
     per_block = QuantizedBlockStorage.bytes_per_block(shape["layers"], block_size, shape["kv_heads"],
                                                       shape["head_dim"], cfg.bits, cfg.group_size)
@@ -384,9 +384,11 @@ def plan_pool(model, kv_cfg, budget_bytes: int, block_size: int = 16, max_sequen
     return PoolPlan(blocks, slots, blocks * per_block + slots * per_slot)
 
 
-# --- from a kv config -------------------------------------------------------------------------------------------
-def _quant_cfg(kv_cfg):
-    cfg = quant_config(kv_cfg)
+# --- from a KVSpec ----------------------------------------------------------------------------------------------
+def _quant_cfg(kv):
+    cfg = kv_spec(kv).quant
+    if cfg is None:
+        raise InputError("kv=fp has no quantization options", "use kv=int8, int4 or int2")
     if cfg.hierarchical:
         raise InputError("kv.hierarchical=true is not supported by the paged cache",
                          "use kv.hierarchical=false with paged serving")
@@ -401,18 +403,18 @@ def _quant_cfg(kv_cfg):
     return cfg
 
 
-def paged_storage_for(model, kv_cfg, num_blocks: int, block_size: int = 16, staging_slots: int | None = None,
+def paged_storage_for(model, kv, num_blocks: int, block_size: int = 16, staging_slots: int | None = None,
                       max_sequences: int = 8, step_tokens: int = 1, prefill_tokens: int = 2048):
-    """The block storage a `PagedKVCache` of `num_blocks` x `block_size` needs for `kv_cfg` (a kv config node, its
-    kind, or None = fp): FPBlockStorage for kv=fp, QuantizedBlockStorage for int8/int4/int2 (kv.residual is its
+    """The block storage a `PagedKVCache` of `num_blocks` x `block_size` needs for `kv` (a KVSpec, or None =
+    fp): FPBlockStorage for kv=fp, QuantizedBlockStorage for int8/int4/int2 (kv.residual is its
     residual_tokens, kv.group_size its value channel group; keys are grouped by block). Without `staging_slots`,
     as many as `staging_slots_for` says, at most num_blocks."""
     shape, dtype = model_kv_shape(model), compute_dtype(model)
     device = next(model.parameters()).device
     dims = (shape["layers"], num_blocks, block_size, shape["kv_heads"], shape["head_dim"], dtype, device)
-    if kv_kind(kv_cfg) == "fp":
+    if not kv_spec(kv).quantized:
         return FPBlockStorage(*dims)
-    cfg = _quant_cfg(kv_cfg)
+    cfg = _quant_cfg(kv)
     if staging_slots is None:
         staging_slots = min(num_blocks, staging_slots_for(block_size, cfg.residual, max_sequences, step_tokens,
                                                           prefill_tokens))
@@ -420,12 +422,12 @@ def paged_storage_for(model, kv_cfg, num_blocks: int, block_size: int = 16, stag
                                  value_group=cfg.group_size, value_clip=cfg.value_clip, fused=cfg.dequant != "torch")
 
 
-def paged_cache_for(model, kv_cfg, num_blocks: int, block_size: int = 16, prefix_cache: bool = True,
+def paged_cache_for(model, kv, num_blocks: int, block_size: int = 16, prefix_cache: bool = True,
                     **storage_options):
     """A `PagedKVCache` on `paged_storage_for`'s storage, attached to its pool (see `QuantizedBlockStorage.attach`)."""
     from toolkit.kv.paged.cache import PagedKVCache
 
-    storage = paged_storage_for(model, kv_cfg, num_blocks, block_size, **storage_options)
+    storage = paged_storage_for(model, kv, num_blocks, block_size, **storage_options)
     cache = PagedKVCache(model, num_blocks, block_size, storage=storage, prefix_cache=prefix_cache)
     if hasattr(storage, "attach"):
         storage.attach(cache.pool)
