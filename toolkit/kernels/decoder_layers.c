@@ -66,6 +66,14 @@ typedef struct {
  * at 256 +83 us (why not lower), ctx 64 at 512 -64 us, ctx 128 at 512 -61..-137 us, ctx 300 at 512 -223 us */
 #ifndef SQ_ATTN_PARALLEL_MIN
 #define SQ_ATTN_PARALLEL_MIN 512
+/* rows from which the per-row steps (norms, SiLU, residual adds) run on the OpenMP threads: a prompt's, not a decode
+ * step's or a verify pass's (each row's arithmetic is the same either way) */
+#define SQ_ROWS_PARALLEL_MIN 16
+
+static void add_rows(float *h, const float *p, int64_t n, int64_t M) {
+#pragma omp parallel for schedule(static) if (M >= SQ_ROWS_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) h[i] += p[i];
+}
 
 /* Optional phase timing (benchmarks/ttft_profile.py, docs/engine.md "Where a short prompt's time goes"): off, a
  * branch per phase; on, a clock read per phase (~25 ns, ~10 a layer). Phases: 0 norms and residual adds, 1 the four
@@ -127,6 +135,7 @@ static inline __mmask16 tail_mask(int64_t left) {
 /* y = w * (x * (1 / sqrt(mean(x^2) + eps))), per row; the sum of squares in fixed order (16 lane sums, then the
  * lanes: a scalar chain of d dependent adds cost ~0.9 ms of a 6-row SmolLM2 verify pass) */
 static void rms_norm(const float *x, const float *w, int64_t M, int64_t d, float eps, float *y) {
+#pragma omp parallel for schedule(static) if (M >= SQ_ROWS_PARALLEL_MIN)
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * d;
 #ifdef __AVX512F__
@@ -207,6 +216,55 @@ static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
         const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e));
         _mm512_mask_storeu_ps(a + j, k, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, u + j)));
+    }
+}
+#elif defined(__AVX2__)
+/* vexp on 8 lanes: the same steps, 2^n made in the exponent bits (exact, as scalef is, for the normal range: x is
+ * clamped to 88.3 here, n <= 127, which changes nothing where it is used: softmax exponents <= 0, SiLU's e^-g at
+ * g < -88 already rounds the product to 0) */
+static inline __m256 vexp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static void exp_shifted(float *p, int64_t n, float sub) {
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8)
+        _mm256_storeu_ps(p + t, vexp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(sub))));
+    if (t < n) { /* the tail through the same vector function, so every element gets the same exp */
+        float tail[8] = {0};
+        memcpy(tail, p + t, sizeof(float) * (n - t));
+        _mm256_storeu_ps(tail, vexp8(_mm256_sub_ps(_mm256_loadu_ps(tail), _mm256_set1_ps(sub))));
+        memcpy(p + t, tail, sizeof(float) * (n - t));
+    }
+}
+
+static inline __m256 silu8(__m256 g, __m256 u) {
+    const __m256 e = vexp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+
+static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(a + j, silu8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+    if (j < n) {
+        float gt[8] = {0}, ut[8] = {0};
+        memcpy(gt, g + j, sizeof(float) * (n - j));
+        memcpy(ut, u + j, sizeof(float) * (n - j));
+        _mm256_storeu_ps(gt, silu8(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
+        memcpy(a + j, gt, sizeof(float) * (n - j));
     }
 }
 #else
@@ -369,16 +427,17 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
         SQ_MARK(3);
         if ((rc = q4(&L->o, att, M, proj))) break;
         SQ_MARK(1);
-        for (int64_t i = 0; i < M * d; i++) hidden[i] += proj[i];
+        add_rows(hidden, proj, M * d, M);
         rms_norm(hidden, L->post_norm, M, d, dm->eps, xn);
         SQ_MARK(0);
         if ((rc = q4(&L->gate_up, xn, M, wide))) break;
         SQ_MARK(1);
+#pragma omp parallel for schedule(static) if (M >= SQ_ROWS_PARALLEL_MIN)
         for (int64_t m = 0; m < M; m++) silu_mul(wide + m * 2 * I, wide + m * 2 * I + I, xn + m * I, I);
         SQ_MARK(4);
         if ((rc = q4(&L->down, xn, M, proj))) break;
         SQ_MARK(1);
-        for (int64_t i = 0; i < M * d; i++) hidden[i] += proj[i];
+        add_rows(hidden, proj, M * d, M);
         SQ_MARK(0);
     }
     free(xn);
