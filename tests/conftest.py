@@ -84,6 +84,26 @@ def tiny_model(request, tiny_llama_dir, tiny_gemma3_dir):
     return model, AutoTokenizer.from_pretrained(path)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and other jobs share the cores: spinning threads only slow all down.
+    The speculation tests (tests/test_spec*.py) hold each module to one thread with `usefixtures`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama_and_gemma(tiny_llama_dir, tiny_gemma3_dir):
+    """The tiny llama and gemma3 in fp32 and the llama's tokenizer: the speculation tests' targets and drafts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    llama = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    gemma = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.float32).eval()
+    return llama, gemma, AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tiny_tokenizer):
     """A tiny Qwen2: biases on q, k and v (which fused packs and the native decoder must carry), grouped-query
@@ -139,3 +159,13 @@ def chat_model_dir(tiny_llama_dir, tmp_path_factory):
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def loaded(chat_model_dir):
+    """The chat model loaded by the engine in fp32: what the server tests (tests/test_serve*.py) serve."""
+    from toolkit.engine.setup import load_engine_model
+    from toolkit.engine.spec import EngineSpec
+
+    engine = EngineSpec(dtype="fp32", threads=None, compile=False)
+    return load_engine_model(str(chat_model_dir), engine)

@@ -1,17 +1,13 @@
 """The OpenAI-compatible server, driven by the official `openai` client (and raw httpx where the wire format itself is
-under test) against servers started here on loopback, over a tiny random llama in fp32.
+under test) against servers started here on loopback, over a tiny random llama in fp32: completions and chats equal
+the engine's generate(), streams and their wire format, per-request sampling inside one batch, OpenAI-style errors,
+the API key, the queue limit and the KV budget, and disconnected or cancelled requests giving back their rows and
+blocks.
 
-The central claim: continuous batching changes nothing about what a request gets. Concurrent requests that join and
-leave the running batch at different steps (sequences of different lengths in one paged KV pool) produce exactly the
-greedy tokens they get when served one at a time, and exactly what the engine's own generate() gives (so the paged
-cache is checked against the engine's contiguous cache, not against itself); so do requests that reuse a cached
-prompt prefix, and requests preempted (and recomputed) when a tiny pool runs out. Every block goes back to the pool
-when its request ends, cancelled ones included.
-
-Speculative decoding (spec=lookup) is held to the same standard: greedy tokens exactly generate()'s, each row of a
-verify pass keeping its own accepted length. Quantized KV (kv=int8) cannot be token-exact against the fp engine: it
-is checked to run, stream, survive running out of staging slots and free its pool, and (on SmolLM2) to agree with
-full precision on most tokens."""
+Continuous batching, the prefix cache and preemption are tested in test_serve_scheduling.py, quantized KV and
+speculative decoding in test_serve_spec_kv.py, hostile input in test_serve_hardening.py. Those files import the
+prompts and helpers defined here (the server starter, the engine's text, a stream's text, /metrics and /health
+readers, the scheduler driver); the served model, `loaded`, is a fixture in tests/conftest.py."""
 
 import json
 import threading
@@ -21,14 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import torch
-from omegaconf import OmegaConf
 
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import SamplingParams
-from toolkit.engine.setup import load_engine_model
-from toolkit.engine.spec import EngineSpec
-from toolkit.kv import KVSpec
 from toolkit.serve.server import BackgroundServer, ServeSettings, build_state
 
 MODEL = "tiny"
@@ -39,11 +30,10 @@ PROMPTS = ["The class statement", "def f(x): return", "Exceptions are raised whe
            "anonymous functions", "for x in range(10): print(x)"]
 MAX_TOKENS = [24, 9, 31, 17, 12, 40, 5, 28, 20, 15]  # different lengths: rows leave the batch at different steps
 
-
-@pytest.fixture(scope="module")
-def loaded(chat_model_dir):
-    engine = EngineSpec(dtype="fp32", threads=None, compile=False)
-    return load_engine_model(str(chat_model_dir), engine)
+# a long system prompt that requests share (the prefix cache, preemption over it)
+SYSTEM = ("You answer questions about Python. " + PROMPTS[4] + ". " + PROMPTS[2] + ". " + PROMPTS[8] + ".")
+QUESTIONS = ["What does yield do?", "How do I open a file?", "What is a lambda?", "Explain while loops.",
+             "What is a class?"]
 
 
 def _start(loaded, **settings):
@@ -98,6 +88,37 @@ def _assert_pool_empty(scheduler) -> None:
     assert pool.used == 0 and all(count == 0 for count in pool.ref_count)
     assert pool.available == pool.num_blocks
     pool.check()
+
+
+def _run_scheduler(model, tokenizer, limits, prompts, spec=None):
+    """Submit every (prompt, max_tokens) at once to a Scheduler (no HTTP); return it (stopped) and, per request, its
+    final event and the text its token events streamed."""
+    from toolkit.engine.generate import stop_token_ids
+    from toolkit.serve.metrics import ServerMetrics
+    from toolkit.serve.scheduler import Scheduler
+    from toolkit.serve.sequence import Sequence
+
+    scheduler = Scheduler(model, tokenizer, stop_token_ids(model, tokenizer), limits, ServerMetrics(), spec)
+    done, streamed, finished = {}, {i: "" for i in range(len(prompts))}, threading.Event()
+
+    def emitter(i):
+        def emit(event):
+            if event["type"] == "token":
+                streamed[i] += event["text"]
+            if event["type"] in ("done", "error"):
+                done[i] = event
+                if len(done) == len(prompts):
+                    finished.set()
+        return emit
+
+    scheduler.start()
+    try:
+        for i, (prompt, n) in enumerate(prompts):
+            scheduler.submit(Sequence(tokenizer(prompt).input_ids, n, SamplingParams(), [], emitter(i)))
+        assert finished.wait(120)
+    finally:
+        scheduler.stop()
+    return scheduler, [done[i] for i in range(len(prompts))], [streamed[i] for i in range(len(prompts))]
 
 
 def test_completion_equals_engine_generate(client, loaded):
@@ -306,144 +327,6 @@ def test_api_key_queue_limit_and_kv_budget(loaded):
         assert ok.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0).usage.completion_tokens
 
 
-def _run_scheduler(model, tokenizer, limits, prompts, spec=None):
-    """Submit every (prompt, max_tokens) at once to a Scheduler (no HTTP); return it (stopped) and, per request, its
-    final event and the text its token events streamed."""
-    from toolkit.engine.generate import stop_token_ids
-    from toolkit.serve.metrics import ServerMetrics
-    from toolkit.serve.scheduler import Scheduler
-    from toolkit.serve.sequence import Sequence
-
-    scheduler = Scheduler(model, tokenizer, stop_token_ids(model, tokenizer), limits, ServerMetrics(), spec)
-    done, streamed, finished = {}, {i: "" for i in range(len(prompts))}, threading.Event()
-
-    def emitter(i):
-        def emit(event):
-            if event["type"] == "token":
-                streamed[i] += event["text"]
-            if event["type"] in ("done", "error"):
-                done[i] = event
-                if len(done) == len(prompts):
-                    finished.set()
-        return emit
-
-    scheduler.start()
-    try:
-        for i, (prompt, n) in enumerate(prompts):
-            scheduler.submit(Sequence(tokenizer(prompt).input_ids, n, SamplingParams(), [], emitter(i)))
-        assert finished.wait(120)
-    finally:
-        scheduler.stop()
-    return scheduler, [done[i] for i in range(len(prompts))], [streamed[i] for i in range(len(prompts))]
-
-
-def test_scheduler_matches_generate_on_both_architectures(tiny_model):
-    """Per-row masks over the paged pool, sliding windows (gemma3: window 8 < these prompts) included, no HTTP."""
-    from toolkit.serve.scheduler import Limits
-
-    model, tokenizer = tiny_model
-    prompts = list(zip(PROMPTS[:6], MAX_TOKENS[:6]))
-    scheduler, done, _ = _run_scheduler(model, tokenizer, Limits(4, 16, 4096, 256), prompts)
-    assert scheduler.peak_batch > 1 and scheduler.preemptions == 0
-    expected = [generate(model, tokenizer, [p], n).sequences[0] for p, n in prompts]
-    assert [d["token_ids"] for d in done] == [s.token_ids for s in expected]
-    _assert_pool_empty(scheduler)
-
-
-def test_preemption_in_a_tiny_pool_keeps_greedy_output(tiny_model):
-    """A pool of 20 blocks of 4 tokens: each request fits alone, four together do not. The newest is preempted,
-    recomputed from prompt + what it generated, and still gets the engine's tokens; its stream sends nothing twice."""
-    from toolkit.serve.scheduler import Limits
-
-    model, tokenizer = tiny_model
-    prompts = list(zip(PROMPTS[:6], MAX_TOKENS[:6]))
-    limits = Limits(max_batch=4, max_queue=16, max_kv_tokens=80, max_seq_len=256, block_size=4)
-    scheduler, done, streamed = _run_scheduler(model, tokenizer, limits, prompts)
-    assert scheduler.preemptions > 0, "the pool never ran out: the test lost its point"
-    expected = [generate(model, tokenizer, [p], n).sequences[0] for p, n in prompts]
-    assert [d["token_ids"] for d in done] == [s.token_ids for s in expected]
-    assert [d["text"] for d in done] == streamed == [s.text for s in expected]
-    assert [d["usage"]["prompt_tokens"] for d in done] == [len(tokenizer(p).input_ids) for p, _ in prompts]
-    _assert_pool_empty(scheduler)
-
-
-def test_overflowed_step_is_redone_exactly(tiny_model, monkeypatch):
-    """fp16-weight models redo a step whose logits overflowed, under exact linears. Simulated here: outside
-    exact_linears every call writes garbage keys/values and returns NaN logits. The redo reruns the same binding
-    (nothing is committed before it), overwriting the garbage, so prefills (prefix reuse included), decode steps and
-    preempted sequences all still match generate()."""
-    import importlib
-
-    from toolkit.passes import Pass
-    from toolkit.serve.scheduler import Limits
-
-    model, tokenizer = tiny_model
-    prompts = [(PROMPTS[4] + " " + p, n) for p, n in zip(PROMPTS[:4], MAX_TOKENS[:4])]  # a shared prefix
-    expected = [generate(model, tokenizer, [p], n).sequences[0].token_ids for p, n in prompts]
-    calls = {"inexact": 0}
-
-    def garbage_in(module, args, output):
-        return None if Pass.exact else torch.randn_like(output) * 10
-
-    def nan_out(module, args, output):
-        if Pass.exact:
-            return None
-        calls["inexact"] += 1
-        return torch.full_like(output, float("nan"))
-
-    precision = importlib.import_module("toolkit.engine.precision")
-    monkeypatch.setattr(precision, "may_overflow", lambda model: True)  # what paged_forward's check (`overflowed`) asks
-    hooks = [model.get_input_embeddings().register_forward_hook(garbage_in),
-             model.get_output_embeddings().register_forward_hook(nan_out)]
-    try:
-        limits = Limits(max_batch=4, max_queue=16, max_kv_tokens=120, max_seq_len=256, block_size=4)
-        scheduler, done, _ = _run_scheduler(model, tokenizer, limits, prompts)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    assert calls["inexact"] > 0 and scheduler.preemptions > 0 and scheduler.cache.pool.stats.prefix_hits > 0
-    assert [d["token_ids"] for d in done] == expected
-    _assert_pool_empty(scheduler)
-
-
-SYSTEM = ("You answer questions about Python. " + PROMPTS[4] + ". " + PROMPTS[2] + ". " + PROMPTS[8] + ".")
-QUESTIONS = ["What does yield do?", "How do I open a file?", "What is a lambda?", "Explain while loops.",
-             "What is a class?"]
-
-
-def test_prefix_cache_on_and_off_give_identical_output(loaded):
-    """Requests sharing a long system prompt: the prefix-caching server prefills the shared blocks once, and every
-    answer equals the one from a server without prefix caching and the engine's generate()."""
-    conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
-    answers, servers = {}, {}
-    for prefix_cache in (True, False):
-        with _start(loaded, max_batch=4, max_tokens=64, max_seq_len=512, block_size=8,
-                    prefix_cache=prefix_cache) as srv:
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-            def ask(messages):
-                result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
-                return result.choices[0].message.content
-
-            first = ask(conversations[0])  # fills the cache with the system prompt's blocks
-            with ThreadPoolExecutor(len(conversations)) as pool:  # then all of them share those blocks at once
-                answers[prefix_cache] = [first] + list(pool.map(ask, conversations))
-            _wait_idle(srv)
-            _assert_pool_empty(srv.state.scheduler)
-            servers[prefix_cache] = {name: _metric(srv, name) for name in (
-                "specquant_prefix_cache_hit_rate", "specquant_prefix_cache_hits_total",
-                "specquant_prefix_cache_queries_total", "specquant_prompt_tokens_total")}
-    assert answers[True] == answers[False]
-    ids = [loaded.tokenizer(loaded.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
-                            add_special_tokens=False).input_ids for m in conversations]
-    assert len(ids[0]) > 64  # several shared blocks of 8
-    assert answers[True] == [_engine_text(loaded, ids[0], 20)] + [_engine_text(loaded, i, 20) for i in ids]
-    cached, plain = servers[True], servers[False]
-    assert cached["specquant_prefix_cache_hit_rate"] > 0 and cached["specquant_prefix_cache_hits_total"] > 0
-    assert plain["specquant_prefix_cache_queries_total"] == 0 and plain["specquant_prefix_cache_hit_rate"] == 0
-    assert cached["specquant_prompt_tokens_total"] < plain["specquant_prompt_tokens_total"]  # less was prefilled
-
-
 def test_blocks_return_to_the_pool_after_a_burst_with_a_cancelled_stream(server, client, loaded):
     scheduler = server.state.scheduler
     cancelled = _metric(server, 'specquant_sequences_finished_total{reason="cancelled"}')
@@ -468,224 +351,3 @@ def test_blocks_return_to_the_pool_after_a_burst_with_a_cancelled_stream(server,
     assert _metric(server, "specquant_kv_blocks_free") == _metric(server, "specquant_kv_blocks_total") \
         == scheduler.cache.pool.num_blocks
     assert _metric(server, "specquant_kv_bytes_in_use") == 0
-
-
-def test_preemption_over_http_streams_each_token_once(loaded):
-    """Streams through a server whose pool holds two of these requests at most: some are preempted mid-stream, and
-    each client still reads exactly the engine's text (nothing re-sent after the recompute)."""
-    with _start(loaded, max_batch=4, max_tokens=64, max_seq_len=256, max_kv_tokens=96, block_size=4) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        jobs = [(PROMPTS[i], 40) for i in (0, 2, 5, 8)]
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            texts = list(pool.map(lambda args: _stream_text(client, *args), jobs))
-        _wait_idle(srv)
-        assert _metric(srv, "specquant_preemptions_total") > 0
-        _assert_pool_empty(srv.state.scheduler)
-        # one request needing more blocks than the whole pool is refused up front, with the pool's size
-        refused = httpx.post(srv.url + "/v1/completions", timeout=30,
-                             json={"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 60})
-        assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
-        assert "96 tokens" in refused.json()["error"]["message"]
-    assert texts == [_engine_text(loaded, p, n) for p, n in jobs]
-
-
-@pytest.mark.real_model
-def test_smollm2_prefix_reuse_and_preemption_match_generate(smollm2):
-    """The real model (30 layers, grouped-query attention): requests sharing a system prompt through a pool too small
-    for all of them at once reuse its blocks and get preempted, and still decode exactly as generate() does."""
-    from toolkit.serve.scheduler import Limits
-
-    model, tokenizer = smollm2.model, smollm2.tokenizer
-    prompts = [(f"{SYSTEM}\nQuestion: {q}\nAnswer:", 32) for q in QUESTIONS[:4]]  # 66 tokens: 5 blocks, 3 shared
-    shared = len(tokenizer(SYSTEM).input_ids)
-    assert shared > 48  # three full blocks of 16 at least
-    limits = Limits(max_batch=4, max_queue=8, max_kv_tokens=10 * 16, max_seq_len=512, block_size=16)
-    scheduler, done, streamed = _run_scheduler(model, tokenizer, limits, prompts)
-    assert scheduler.cache.pool.stats.prefix_hits > 0 and scheduler.preemptions > 0
-    expected = [generate(model, tokenizer, [p], n).sequences[0] for p, n in prompts]
-    assert [d["token_ids"] for d in done] == [s.token_ids for s in expected]
-    assert streamed == [s.text for s in expected]
-    _assert_pool_empty(scheduler)
-
-
-def test_kv_pool_sizing_by_tokens_or_megabytes(loaded):
-    from toolkit.errors import InputError
-    from toolkit.kv.paged import PagedKVCache
-
-    by_tokens = build_state(loaded, ServeSettings(max_kv_tokens=1000, block_size=16)).scheduler
-    assert by_tokens.cache.pool.num_blocks == 63 and by_tokens.kv_capacity_tokens == 1008  # rounded up to blocks
-    per_block = PagedKVCache.bytes_per_block(loaded.model, 8)
-    by_bytes = build_state(loaded, ServeSettings(kv_budget_mb=1, block_size=8)).scheduler
-    assert by_bytes.cache.pool.num_blocks == 2**20 // per_block and by_bytes.cache.storage.nbytes <= 2**20
-    assert by_bytes.fits(by_bytes.kv_capacity_tokens) and not by_bytes.fits(by_bytes.kv_capacity_tokens + 1)
-    with pytest.raises(InputError, match="kv_budget_mb"):
-        build_state(loaded, ServeSettings(kv_budget_mb=per_block / 2**21))
-
-
-# --- quantized KV and speculative decoding ------------------------------------------------------------------------
-# A small residual window and small blocks, so these short requests really seal (quantize) blocks and read them back.
-INT8 = KVSpec.from_node({"kind": "int8", "residual": 8})
-# Prompts that repeat themselves, so prompt lookup finds n-grams to draft (the tiny random models also loop).
-REPEATING = [("one two three four one two three four one two three", 24), ("def f(x): return x\ndef g(x): return",
-             17), ("a b a b a b a b a", 31), (PROMPTS[4] + ". " + PROMPTS[4], 12), ("while True: while True:", 40),
-             ("import os import os import", 9)]
-
-
-def _lookup(k=4, max_batch=4):
-    from toolkit.serve.speculation import serve_spec
-
-    return serve_spec(OmegaConf.create({"kind": "lookup", "k": k, "ngram_max": 3, "ngram_min": 1}), max_batch)
-
-
-def test_spec_lookup_matches_generate_on_both_architectures(tiny_model):
-    """Several sequences speculate in one batch, each keeping its own accepted length and cropped back to it: the
-    greedy tokens are exactly generate()'s, drafts were really accepted, and every block goes back."""
-    from toolkit.serve.scheduler import Limits
-
-    model, tokenizer = tiny_model
-    scheduler, done, streamed = _run_scheduler(model, tokenizer, Limits(4, 16, 4096, 256, block_size=4), REPEATING,
-                                               spec=_lookup(k=4, max_batch=4))
-    expected = [generate(model, tokenizer, [p], n).sequences[0] for p, n in REPEATING]
-    assert [d["token_ids"] for d in done] == [s.token_ids for s in expected]
-    assert streamed == [s.text for s in expected]
-    assert scheduler.spec_rounds > 0 and scheduler.peak_batch > 1
-    assert scheduler.spec_accepted > 0, "no drafted token was ever accepted: the test lost its point"
-    rates = [d["timings"]["acceptance_rate"] for d in done]
-    assert any(r is not None and r > 0 for r in rates) and all(r is None or 0 <= r <= 1 for r in rates)
-    _assert_pool_empty(scheduler)
-
-
-def test_spec_only_at_small_batch_and_stops_mid_run(loaded):
-    """Above spec_max_batch rows a turn is a plain decode step; a stop string or max_tokens inside an accepted run
-    ends the request there (nothing after it is emitted)."""
-    from toolkit.serve.scheduler import Limits
-
-    prompts = [(p, n) for p, n in REPEATING[:4]]
-    scheduler, done, _ = _run_scheduler(loaded.model, loaded.tokenizer, Limits(4, 16, 4096, 256), prompts,
-                                        spec=_lookup(k=6, max_batch=1))
-    expected = [generate(loaded.model, loaded.tokenizer, [p], n).sequences[0] for p, n in prompts]
-    assert [d["token_ids"] for d in done] == [s.token_ids for s in expected]
-    assert [d["usage"]["completion_tokens"] for d in done] == [len(s.token_ids) for s in expected]
-    assert scheduler.peak_batch > 1  # batched turns ran, and spec turns only once the batch had shrunk to one
-    with _start(loaded, max_tokens=100, max_seq_len=256, spec="lookup") as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        prompt = REPEATING[0][0]
-        full = _engine_text(loaded, prompt, 40)
-        stop = full[len(full) // 2:len(full) // 2 + 3]
-        assert stop.strip()
-        result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
-        assert result.choices[0].text == _engine_text(loaded, prompt, 40, stop=[stop])
-        _wait_idle(srv)
-        _assert_pool_empty(srv.state.scheduler)
-
-
-def test_spec_lookup_over_http_concurrent_streams(loaded):
-    """The server with spec=lookup: concurrent streams get the engine's greedy text, the response timings carry
-    each request's acceptance rate and /metrics the server's."""
-    with _start(loaded, max_batch=4, max_queue=16, max_tokens=100, max_seq_len=256, spec="lookup",
-                spec_max_batch=4) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        with ThreadPoolExecutor(len(REPEATING)) as pool:
-            texts = list(pool.map(lambda job: _stream_text(client, *job), REPEATING))
-        assert texts == [_engine_text(loaded, p, n) for p, n in REPEATING]
-        body = {"model": MODEL, "prompt": REPEATING[2][0], "max_tokens": 31, "temperature": 0}
-        timings = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["timings"]
-        assert 0 < timings["acceptance_rate"] <= 1
-        # sampled rows verify by rejection sampling; a seeded request served alone is reproducible
-        sampled = [client.completions.create(model=MODEL, prompt=REPEATING[2][0], max_tokens=30, temperature=0.8,
-                                             seed=7) for _ in range(2)]
-        assert sampled[0].choices[0].text == sampled[1].choices[0].text
-        assert sampled[0].usage.completion_tokens <= 30
-        _wait_idle(srv)
-        assert 0 < _metric(srv, "specquant_spec_acceptance_rate") <= 1
-        _assert_pool_empty(srv.state.scheduler)
-
-
-def test_spec_kinds_the_server_does_not_run_are_refused(loaded):
-    from toolkit.errors import InputError
-
-    for kind in ("self", "draft"):
-        with pytest.raises(InputError, match=f"(?s)spec={kind} is not supported by the server.*lookup"):
-            build_state(loaded, ServeSettings(spec=kind))
-    # a rejected draft is cropped away; it may not reach back into quantized (sealed) blocks
-    with pytest.raises(InputError, match="kv.residual"):
-        build_state(loaded, ServeSettings(kv=KVSpec.from_node({"kind": "int8", "residual": 2}), spec="lookup"))
-
-
-def test_int8_kv_server_streams_and_frees_the_pool(loaded):
-    """kv=int8: quantized blocks (sealed 8 tokens behind), concurrent streams finish, the pool goes back to zero;
-    with spec=lookup too (verify passes and crops over quantized blocks; k=4, within the 8 tokens a sealed block
-    trails by, as the server requires)."""
-    for spec in (None, {"kind": "lookup", "k": 4}):
-        with _start(loaded, max_batch=4, max_queue=16, max_tokens=100, max_seq_len=256, block_size=4, kv=INT8,
-                    spec=spec) as srv:
-            storage = srv.state.scheduler.cache.storage
-            assert storage.kind == "quantized" and storage.bits == 8
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            with ThreadPoolExecutor(len(REPEATING)) as pool:
-                texts = list(pool.map(lambda job: _stream_text(client, *job), REPEATING))
-            assert all(texts)
-            _wait_idle(srv)
-            assert any(storage.sealed), "no block was ever quantized: the test lost its point"
-            finished = _metric(srv, "specquant_sequences_finished_total")
-            assert finished == len(REPEATING)
-            if spec:
-                assert srv.state.scheduler.spec_rounds > 0
-            _assert_pool_empty(srv.state.scheduler)
-
-
-@pytest.mark.parametrize("chunk,slots", [(512, 12), (8, 7)], ids=["whole-prompt", "chunked"])
-def test_int8_kv_staging_exhaustion_requeues_the_prefill(tiny_model, monkeypatch, chunk, slots):
-    """Too few full-precision staging slots for everyone: a prefill that finds none goes back to the head of the
-    queue (also between two chunks of one prompt), a decode step that finds none preempts; every request still
-    finishes and the pool empties."""
-    from toolkit.serve import kv_pool
-    from toolkit.serve import scheduler as scheduler_module
-    from toolkit.serve.scheduler import Limits, Scheduler
-
-    monkeypatch.setattr(scheduler_module, "QUANTIZED_PREFILL_CHUNK", chunk)
-
-    model, tokenizer = tiny_model
-    build = kv_pool.paged_cache_for
-    monkeypatch.setattr(kv_pool, "paged_cache_for", lambda model, kv, blocks, size, prefix, **_: build(
-        model, kv, blocks, size, prefix, staging_slots=slots))
-    monkeypatch.setattr(Scheduler, "_staging_allows", lambda self, tokens: True)  # admit blindly: prefills fail
-    # prompts of 20-44 tokens: 5-11 blocks of 4 to stage at prefill; each running sequence keeps 3-4 staged
-    prompts = [(PROMPTS[i], MAX_TOKENS[i]) for i in (2, 6, 8, 9, 4)]
-    limits = Limits(max_batch=4, max_queue=16, max_kv_tokens=400, max_seq_len=256, block_size=4, kv=INT8)
-    scheduler, done, _ = _run_scheduler(model, tokenizer, limits, prompts)
-    assert scheduler.cache.storage.staging_slots == slots
-    assert scheduler.requeued > 0, "no prefill ran out of staging slots: the test lost its point"
-    assert [d["type"] for d in done] == ["done"] * len(prompts)
-    assert all(d["finish_reason"] in ("stop", "length") for d in done)
-    _assert_pool_empty(scheduler)
-
-
-@pytest.mark.real_model
-def test_smollm2_spec_lookup_and_int8_kv(smollm2):
-    """The real model: spec=lookup over the fp pool gives exactly generate()'s greedy tokens (drafts accepted on
-    these prompts, which quote their system prompt); on an INT8 KV pool (residual 32, so most of each 100+ token
-    context is read back quantized) the greedy outputs share most of their tokens with full precision, with and
-    without speculation."""
-    from toolkit.serve.scheduler import Limits
-
-    model, tokenizer = smollm2.model, smollm2.tokenizer
-    prompts = [(f"{SYSTEM}\nQuestion: {q}\nAnswer:", 40) for q in QUESTIONS[:3]]
-    expected = [generate(model, tokenizer, [p], n).sequences[0].token_ids for p, n in prompts]
-    total = sum(len(e) for e in expected)
-
-    def run(kv, spec):
-        limits = Limits(max_batch=4, max_queue=8, max_kv_tokens=4096, max_seq_len=512, block_size=16, kv=kv)
-        scheduler, done, _ = _run_scheduler(model, tokenizer, limits, prompts, spec=spec)
-        _assert_pool_empty(scheduler)
-        return scheduler, [d["token_ids"] for d in done]
-
-    scheduler, fp_spec = run(None, _lookup(k=4))
-    assert fp_spec == expected
-    assert scheduler.spec_accepted > 0
-    print(f"\nfp + spec=lookup k=4: {scheduler.spec_accepted}/{scheduler.spec_proposed} drafted tokens accepted")
-    for spec in (None, _lookup(k=4)):
-        _, ids = run(KVSpec.from_node({"kind": "int8", "residual": 32}), spec)
-        same = sum(a == b for got, want in zip(ids, expected) for a, b in zip(got, want))
-        print(f"int8 KV{' + spec=lookup' if spec else ''} vs fp: {same}/{total} tokens agree position by position")
-        assert same >= 0.75 * total

@@ -19,7 +19,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.test_serve import _start, loaded  # noqa: F401 (the served model's fixture, the server starter)
+from tests.test_serve import _start
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import GREEDY_BELOW, SamplingParams, probabilities, sample
 from toolkit.serve.server import drain

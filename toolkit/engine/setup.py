@@ -81,7 +81,12 @@ def load_quantized_model(path):
     from pathlib import Path
 
     from toolkit.models.load import LoadedModel
-    from toolkit.quant.checkpoint import is_quantized_checkpoint, load_quantized, peer_record, read_manifest
+    from toolkit.quant.checkpoint import (
+        is_quantized_checkpoint,
+        load_quantized,
+        peer_record,
+        read_manifest,
+    )
     from toolkit.quant.formats import detect_format, export_source, import_checkpoint
     from toolkit.quant.model_quant import swap_quantized_modules
     from toolkit.quant.qlinear import QuantLinear

@@ -70,8 +70,13 @@ typedef struct {
  * step's or a verify pass's (each row's arithmetic is the same either way) */
 #define SQ_ROWS_PARALLEL_MIN 16
 
+/* (an OpenMP region with a false `if` still costs a team of one: decode steps skip it altogether) */
 static void add_rows(float *h, const float *p, int64_t n, int64_t M) {
-#pragma omp parallel for schedule(static) if (M >= SQ_ROWS_PARALLEL_MIN)
+    if (M < SQ_ROWS_PARALLEL_MIN) {
+        for (int64_t i = 0; i < n; i++) h[i] += p[i];
+        return;
+    }
+#pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) h[i] += p[i];
 }
 
@@ -132,27 +137,6 @@ static inline __mmask16 tail_mask(int64_t left) {
 }
 #endif
 
-/* y = w * (x * (1 / sqrt(mean(x^2) + eps))), per row; the sum of squares in fixed order (16 lane sums, then the
- * lanes: a scalar chain of d dependent adds cost ~0.9 ms of a 6-row SmolLM2 verify pass) */
-static void rms_norm(const float *x, const float *w, int64_t M, int64_t d, float eps, float *y) {
-#pragma omp parallel for schedule(static) if (M >= SQ_ROWS_PARALLEL_MIN)
-    for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * d;
-#ifdef __AVX512F__
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < d; i += 16) {
-            const __m512 v = _mm512_maskz_loadu_ps(tail_mask(d - i), xr + i);
-            acc = _mm512_fmadd_ps(v, v, acc);
-        }
-        const float ss = _mm512_reduce_add_ps(acc);
-#else
-        float ss = 0.f;
-        for (int64_t i = 0; i < d; i++) ss += xr[i] * xr[i];
-#endif
-        const float r = 1.f / sqrtf(ss / (float)d + eps);
-        for (int64_t i = 0; i < d; i++) y[m * d + i] = w[i] * (xr[i] * r);
-    }
-}
 
 /* transformers' apply_rotary_pos_emb for one head: x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1) */
 static void rotate(const float *x, const float *c, const float *s, int64_t hd, float *out) {
@@ -177,6 +161,40 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 #endif
+
+/* y = w * (x * (1 / sqrt(mean(x^2) + eps))), per row; the sum of squares in fixed order (16 lane sums, then the
+ * lanes: a scalar chain of d dependent adds cost ~0.9 ms of a 6-row SmolLM2 verify pass) */
+static void rms_norm_rows(const float *x, const float *w, int64_t m0, int64_t m1, int64_t d, float eps, float *y) {
+    for (int64_t m = m0; m < m1; m++) {
+        const float *xr = x + m * d;
+#ifdef __AVX512F__
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            const __m512 v = _mm512_maskz_loadu_ps(tail_mask(d - i), xr + i);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        const float ss = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+        const int64_t d8 = d & ~(int64_t)7;  /* 8 lane sums, then the lanes, then the rest in order */
+        float ss = dot(xr, xr, d8);
+        for (int64_t i = d8; i < d; i++) ss += xr[i] * xr[i];
+#else
+        float ss = 0.f;
+        for (int64_t i = 0; i < d; i++) ss += xr[i] * xr[i];
+#endif
+        const float r = 1.f / sqrtf(ss / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) y[m * d + i] = w[i] * (xr[i] * r);
+    }
+}
+
+static void rms_norm(const float *x, const float *w, int64_t M, int64_t d, float eps, float *y) {
+    if (M < SQ_ROWS_PARALLEL_MIN) {
+        rms_norm_rows(x, w, 0, M, d, eps, y);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) rms_norm_rows(x, w, m, m + 1, d, eps, y);
+}
 
 /* e^x, vectorized: x = n ln2 + r (|r| <= ln2 / 2), e^r by its Taylor polynomial to r^6 (truncation < 1e-7
  * relative), times 2^n. Within a few ulp of expf, and the same function for every element wherever it sits in a row,
@@ -432,8 +450,11 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
         SQ_MARK(0);
         if ((rc = q4(&L->gate_up, xn, M, wide))) break;
         SQ_MARK(1);
-#pragma omp parallel for schedule(static) if (M >= SQ_ROWS_PARALLEL_MIN)
-        for (int64_t m = 0; m < M; m++) silu_mul(wide + m * 2 * I, wide + m * 2 * I + I, xn + m * I, I);
+        if (M < SQ_ROWS_PARALLEL_MIN)
+            for (int64_t m = 0; m < M; m++) silu_mul(wide + m * 2 * I, wide + m * 2 * I + I, xn + m * I, I);
+        else
+#pragma omp parallel for schedule(static)
+            for (int64_t m = 0; m < M; m++) silu_mul(wide + m * 2 * I, wide + m * 2 * I + I, xn + m * I, I);
         SQ_MARK(4);
         if ((rc = q4(&L->down, xn, M, proj))) break;
         SQ_MARK(1);

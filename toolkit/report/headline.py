@@ -64,9 +64,9 @@ def render_headline(rows: list[Row], data: str | None) -> str:
             "threads, greedy, each row interleaved with its baseline in one run. x no-spec: the same engine "
             "without speculation over with it.")
     if llamacpp:
-        note += (" x llama.cpp: decode tokens/s over llama.cpp's in the same run (llama-cpp-python on the model's "
-                 "GGUF requantized to the type nearest the engine's weights: F16, Q8_0 or Q4_0, so not its exact "
-                 "weights); TTFT x llama.cpp: its TTFT over the engine's; one llama.cpp row per type.")
+        note += (" x llama.cpp: decode tokens/s over llama.cpp's in the same run (llama-cpp-python on the engine's "
+                 "weights exported as GGUF where the row says \"same weights\", else the model's GGUF requantized to "
+                 "the nearest type); TTFT x llama.cpp: its TTFT over the engine's; one llama.cpp row per type.")
     note += (" Written by `specquant report` from the results store; every row, column and protocol is in "
              "[BENCHMARKS.md](BENCHMARKS.md).")
     lines += ["", note]

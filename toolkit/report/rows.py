@@ -163,14 +163,21 @@ def llamacpp_row(row: Row) -> Row | None:
     protocol = (f"{result.get('prompts', '?')} prompts, {peer.get('prompt_tokens', result.get('prompt_tokens', '?'))}"
                 f" prompt + {peer.get('new_tokens', result.get('new_tokens', '?'))} new tokens, "
                 f"{peer.get('runs', result.get('runs', '?'))} runs, {result.get('threads', '?')} threads, llama.cpp "
-                f"(llama-cpp-python) on the model's GGUF requantized by llama.cpp to {kind} (the type nearest the "
-                f"engine's weights, not its exact weights), its own f16 KV cache, greedy on the engine's prompt "
-                f"token ids, interleaved with the engine's run")
+                f"(llama-cpp-python) on {_weights_text(peer, kind)}, its own f16 KV cache, greedy on the engine's "
+                f"prompt token ids, interleaved with the engine's run")
     machine = result.get("machine") or {}
     if machine.get("cpu"):
         protocol += f", {machine['cpu']}"
     return Row(row.model, "llama.cpp", kind, row.variant, label=label, speed=speed, peer=True, beside=row.key,
                speed_protocol=protocol)
+
+
+def _weights_text(peer: dict, kind: str) -> str:
+    """Which weights llama.cpp ran: the engine's own, exported (`specquant export format=gguf`), or the registry's
+    GGUF requantized to the nearest type (older runs, and checkpoints whose grid no GGUF type holds)."""
+    if peer.get("weights") == "same weights":
+        return f"the engine's own weights exported as GGUF {kind} (specquant export format=gguf)"
+    return f"the model's GGUF requantized by llama.cpp to {kind} (the type nearest the engine's weights, not its exact weights)"
 
 
 def peer_rows(results: list[dict], rows: dict) -> list[Row]:
