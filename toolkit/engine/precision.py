@@ -84,8 +84,17 @@ class Precision:
                 + (", int8 activations (w4a8)" if self.dot == "int8" else ""))
 
 
+def runs_int8_activations(model) -> bool:
+    """Whether `model` was prepared at engine.native_dot=int8 (its int4 products take int8 activations, on the
+    native stack only: evaluation runs it there, docs/engine.md)."""
+    precision = getattr(model, "specquant_precision", None)
+    return precision is not None and precision.dot == "int8"
+
+
 def _on_amx() -> bool:
-    from toolkit.quant import bf16_native  # only for a bf16 setting, which has loaded the kernel already
+    from toolkit.quant import (
+        bf16_native,  # only for a bf16 setting, which has loaded the kernel already
+    )
 
     return bf16_native.amx_in_use()
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from toolkit.engine.lean_forward import FORWARDS
 from toolkit.engine.precision import DTYPES, GEMMS, PREFILL_DTYPES
 from toolkit.errors import InputError
+from toolkit.settings import node_values, refuse_unknown
 
 ENGINE_DOTS = ("fp32", "bf16", "int8")
 """engine.native_dot: the native stack's products. fp32 and bf16 apply to a float model's stack, int8 to an int4
@@ -64,15 +65,10 @@ class EngineSpec:
             return node
         if node is None:
             return cls()
-        from omegaconf import DictConfig, OmegaConf
-
-        values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        values = node_values(node)
         values.pop("_target_", None)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise InputError(f"unknown engine option(s) {', '.join(unknown)}",
-                             "see conf/engine/default.yaml for the keys engine.* takes")
+        refuse_unknown(values, (f.name for f in dataclasses.fields(cls)), "engine",
+                       "see conf/engine/default.yaml for the keys engine.* takes")
         return cls(**values)
 
     def replace(self, **changes) -> EngineSpec:

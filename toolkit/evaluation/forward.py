@@ -7,6 +7,7 @@ values that went through the cache (quantized, for a quantized kind), as they do
 
 import torch
 
+from toolkit.engine.precision import runs_int8_activations
 from toolkit.errors import InputError
 from toolkit.kv import KVSpec, kv_spec, make_kv_cache
 
@@ -19,7 +20,7 @@ def window_logits(model, ids: torch.Tensor, kv: KVSpec | None = None, chunk: int
     """[B, T] token ids -> [B, T, vocab] logits (in the model's activation dtype)."""
     device = next(model.parameters()).device
     ids = ids.to(device)
-    if getattr(getattr(model, "specquant_precision", None), "dot", "fp32") == "int8":
+    if runs_int8_activations(model):
         return _native_window_logits(model, ids, kv)
     if not chunk or chunk >= ids.shape[1]:
         return model(input_ids=ids, use_cache=False).logits

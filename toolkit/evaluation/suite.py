@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 from tqdm import tqdm
 
+from toolkit.engine.precision import runs_int8_activations
 from toolkit.errors import InputError
 from toolkit.evaluation.choice import score_choice
 from toolkit.evaluation.cloze import score_cloze
@@ -54,7 +55,7 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
     kv = kv_spec(kv)
     kind = kv.kind
     through_cache = kv.quantized
-    if getattr(getattr(model, "specquant_precision", None), "dot", "fp32") == "int8" and set(tasks) - {"ppl"}:
+    if runs_int8_activations(model) and set(tasks) - {"ppl"}:
         # int8 activations exist on the native stack only (one sequence at a time): the item and generation tasks
         # batch their rows, which would score the exact path instead
         raise InputError("engine.native_dot=int8 is evaluated with task=ppl (perplexity, KL and top-1) only",

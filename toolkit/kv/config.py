@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from toolkit.errors import InputError
 from toolkit.kv.quantize import ALLOWED_BITS
+from toolkit.settings import node_values, refuse_unknown
 
 DEQUANT_MODES = ("full", "torch", "cached")
 # Tokens leave the full-precision window this many at a time (values quantized per token, keys staged per token):
@@ -117,17 +118,12 @@ class KVSpec:
             return cls()
         if isinstance(node, str):
             return cls(node)
-        from omegaconf import DictConfig, OmegaConf
-
-        values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        values = node_values(node)
         kind = values.pop("kind", "fp")
         if kind not in KINDS:
             raise InputError(f"unknown KV cache kind {kind!r}", f"use kv= one of {', '.join(KINDS)}")
-        known = {f.name for f in dataclasses.fields(KVQuantConfig)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise InputError(f"unknown kv option(s) {', '.join(unknown)}",
-                             f"see conf/kv/{kind if kind != 'fp' else 'int4'}.yaml for what a quantized cache takes")
+        refuse_unknown(values, (f.name for f in dataclasses.fields(KVQuantConfig)), "kv",
+                       f"see conf/kv/{kind if kind != 'fp' else 'int4'}.yaml for what a quantized cache takes")
         if kind == "fp":
             return cls()  # a full-precision cache has no options: a quantized kind's keys left in the node are moot
         bits = int(values.get("bits", _BITS[kind]))

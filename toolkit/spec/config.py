@@ -14,6 +14,7 @@ from pathlib import Path
 
 from toolkit.errors import InputError
 from toolkit.kv.config import KVSpec
+from toolkit.settings import node_values, refuse_unknown
 
 KINDS = ("none", "lookup", "self", "draft")
 _CONF = Path(__file__).resolve().parent.parent / "conf" / "spec"
@@ -57,17 +58,12 @@ class SpecConfig:
             if node not in KINDS:
                 raise InputError(f"unknown speculative decoding kind {node!r}", f"use spec= one of {', '.join(KINDS)}")
             node = _load(node)
-        from omegaconf import DictConfig, OmegaConf
-
-        values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        values = node_values(node)
         kind = values.get("kind", "none")
         if kind not in KINDS:
             raise InputError(f"unknown speculative decoding kind {kind!r}", f"use spec= one of {', '.join(KINDS)}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise InputError(f"unknown spec option(s) {', '.join(unknown)}",
-                             f"see conf/spec/{kind}.yaml for what spec={kind} takes")
+        refuse_unknown(values, (f.name for f in dataclasses.fields(cls)), "spec",
+                       f"see conf/spec/{kind}.yaml for what spec={kind} takes")
         spec = cls(**{**values, "kv": KVSpec.from_node(values.get("kv"))})
         spec.check()
         return spec
