@@ -15,6 +15,7 @@ import torch
 from toolkit.engine.lean_forward import LeanForward
 from toolkit.engine.setup import default_engine_config, load_engine_model
 from toolkit.kv.contiguous import ContiguousKVCache
+from toolkit.model_state import peek
 from toolkit.paths import home
 
 
@@ -23,7 +24,7 @@ def bench(model: str, context: int = 128, rounds: int = 5, passes: int = 20) -> 
     against the lean forward's torch operators over the same loaded model, alternating (median ms per pass)."""
     loaded = load_engine_model(model, default_engine_config())
     m = loaded.model
-    if loaded.model.specquant_forward != "native":
+    if peek(m).forward != "native":
         raise SystemExit(f"{model}: the native decoder does not run this model ({m.forward.native_reason})")
     forwards = {"native": m.forward, "torch ops": LeanForward(m, native=False)}
     ids = torch.randint(4, m.config.vocab_size, (1, context + 9), generator=torch.Generator().manual_seed(0))

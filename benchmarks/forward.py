@@ -17,6 +17,8 @@ import time
 import torch
 
 from benchmarks._cli import parser as script_parser
+from toolkit.engine.fused_packs import fused_pack
+from toolkit.model_state import peek
 
 PROMPT_TOKENS = 128
 PASS_ROWS = (1, 5, 9)
@@ -30,7 +32,7 @@ def _engine(model: str, forward: str, threads: int | None):
 
     cfg = default_engine_config(threads=threads, forward="lean" if forward.startswith("lean") else forward)
     loaded = load_engine_model(model, cfg).model
-    if forward == "lean-copied-kv" and loaded.specquant_forward == "lean":
+    if forward == "lean-copied-kv" and peek(loaded).forward == "lean":
         loaded.forward.share_kv_heads = False
     return loaded
 
@@ -66,7 +68,7 @@ def run(model_name: str, rounds: int, steps: int, threads: int | None) -> dict:
     from toolkit.kv.contiguous import ContiguousKVCache
 
     models = {name: _engine(model_name, name, threads) for name in FORWARDS}
-    if models["lean"].specquant_forward != "lean":
+    if peek(models["lean"]).forward != "lean":
         raise SystemExit(f"{model_name}: the lean forward does not apply to this model")
     prompt = torch.randint(4, models["lean"].config.vocab_size, (1, PROMPT_TOKENS),
                            generator=torch.Generator().manual_seed(0))
@@ -89,9 +91,9 @@ def run(model_name: str, rounds: int, steps: int, threads: int | None) -> dict:
     lean, ref = models["lean"].model.layers[0], models["transformers"].model.layers[0]
     x = torch.randn(1, lean.self_attn.q_proj.in_features)
     fused = {}
-    for label, pack, separate in (("q,k,v", lean.self_attn.specquant_qkv,
+    for label, pack, separate in (("q,k,v", fused_pack(lean.self_attn, "qkv"),
                                    (ref.self_attn.q_proj, ref.self_attn.k_proj, ref.self_attn.v_proj)),
-                                  ("gate,up", lean.mlp.specquant_gate_up, (ref.mlp.gate_proj, ref.mlp.up_proj))):
+                                  ("gate,up", fused_pack(lean.mlp, "gate_up"), (ref.mlp.gate_proj, ref.mlp.up_proj))):
         if pack is None:
             continue
         fused[label] = {"fused_us": _call_us(lambda: pack.run(x)),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from toolkit.errors import InputError
+from toolkit.model_state import peek
 from toolkit.quant import bf16_native
 
 pytestmark = pytest.mark.skipif(not bf16_native.available(),
@@ -140,7 +141,8 @@ def test_engine_native_dot_is_checked(tiny_llama_dir):
     use_native_dot(draft, "bf16")
     assert draft.forward.native_dot == "fp32" and draft.forward.native_decoder().half == 0
     use_native_dot(model, "bf16")
-    assert model.specquant_precision.dot == "bf16" and "bf16 native products" in model.specquant_precision.name
+    precision = peek(model).precision
+    assert precision.dot == "bf16" and "bf16 native products" in precision.name
     assert model.forward.native_decoder().head_kernel is bf16_native
     down = model.model.layers[0].mlp.down_proj  # the fp16 kernel's pack of the same weight is dropped, not kept
     assert hasattr(down, "specquant_b16") and not hasattr(down, "specquant_h16")

@@ -21,6 +21,7 @@ from toolkit.engine.precision import cpu_has_native_bf16
 from toolkit.engine.setup import load_engine_model
 from toolkit.engine.spec import EngineSpec
 from toolkit.evaluation.generation import token_agreement
+from toolkit.model_state import peek
 from toolkit.timing import GenerationTiming
 
 ENGINE = EngineSpec(dtype="fp32", threads=1)
@@ -159,8 +160,8 @@ def test_the_bf16_prefill_whatif_runs_a_bf16_prepared_copy_and_says_when_it_does
                                            loaded.tokenizer, quantized_input=False)
     assert [o.name for o in options] == ["baseline", "bf16-prefill"] and not notes
     option = options[1]
-    assert option.apply == "engine.prefill_dtype=bf16" and option.model.specquant_precision.prefill == "bf16"
-    assert option.model is not loaded.model and loaded.model.specquant_precision.prefill == "fp32"
+    assert option.apply == "engine.prefill_dtype=bf16" and peek(option.model).precision.prefill == "bf16"
+    assert option.model is not loaded.model and peek(loaded.model).precision.prefill == "fp32"
     ids = loaded.tokenizer("The syntax of a class definition is the same as that of any other compound statement, "
                            "and its body is a suite of statements").input_ids
     whatifs.measure(options, loaded.tokenizer, [ids], new_tokens=4)

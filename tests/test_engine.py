@@ -5,9 +5,16 @@ import pytest
 import torch
 
 from toolkit.engine import ContiguousKVCache, SamplingParams, generate
-from toolkit.engine.precision import HalfStorageLinear, Precision, exact_linears, prepare_model, resolve_precision
+from toolkit.engine.precision import (
+    HalfStorageLinear,
+    Precision,
+    exact_linears,
+    prepare_model,
+    resolve_precision,
+)
 from toolkit.engine.sampling import probabilities
 from toolkit.errors import InputError
+from toolkit.model_state import state_of
 
 PROMPTS = ["The syntax of a function definition is", "A class is", "Iterators", "for x in range(10):",
            "The with statement is used to wrap the execution of a block with methods defined by a context manager"]
@@ -235,12 +242,12 @@ def test_argmax_is_torchs_argmax():
 def test_overflowed_sees_any_non_finite_logit():
     """The engine's overflow check (a sum, not a full isfinite): one inf, -inf or NaN anywhere is caught, finite
     logits pass, and a model whose path cannot overflow is never redone."""
-    from types import SimpleNamespace
 
     from toolkit.engine.precision import overflowed
 
-    half = SimpleNamespace(specquant_precision=Precision(torch.float32, torch.float16))
-    exact = SimpleNamespace(specquant_precision=Precision(torch.float32, torch.float32))
+    half, exact = torch.nn.Identity(), torch.nn.Identity()  # models the engine prepared: what overflowed reads
+    state_of(half).precision = Precision(torch.float32, torch.float16)
+    state_of(exact).precision = Precision(torch.float32, torch.float32)
     logits = torch.randn(2, 6, 1000) * 30
     assert not overflowed(half, logits)
     for bad in (float("inf"), float("-inf"), float("nan")):

@@ -16,6 +16,7 @@ from toolkit.errors import InputError
 
 def test_the_dataclass_defaults_are_the_yamls():
     yaml = OmegaConf.to_container(OmegaConf.load(DEFAULT_ENGINE_YAML))
+    assert yaml.pop("defaults") == ["schema", "_self_"]  # typed by EngineSpec through hydra's ConfigStore
     fields = {f.name: f.default for f in dataclasses.fields(EngineSpec)}
     assert fields == yaml  # every key, and no key the YAML lacks
     assert EngineSpec.from_node(yaml) == EngineSpec() == default_engine_config()
@@ -52,3 +53,17 @@ def test_an_unknown_key_is_refused_and_a_node_is_refused_below_the_cli():
         EngineSpec.from_node({"native_dots": "bf16"})
     with pytest.raises(TypeError, match="EngineSpec.from_node"):
         prepare_engine_model(None, OmegaConf.create({"device": "cpu"}))
+
+
+@pytest.mark.parametrize("override,problem", [("engine.threads=abc", "threads"), ("engine.compile=maybe", "compile"),
+                                              ("engine.fast=true", "fast")])
+def test_hydra_checks_the_engine_nodes_types_while_composing(override, problem):
+    """conf/engine/*.yaml extend EngineSpec's schema in hydra's ConfigStore (toolkit/cli/app.py): a value of the
+    wrong type or a key EngineSpec lacks fails in composition, before from_node or a model load."""
+    from hydra.errors import ConfigCompositionException
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException, match=problem):
+            compose("generate", overrides=[override])
+        node = compose("generate", overrides=["engine=fp32"]).engine
+    assert OmegaConf.get_type(node) is EngineSpec and EngineSpec.from_node(node).dtype == "fp32"

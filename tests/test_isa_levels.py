@@ -12,16 +12,17 @@ import pytest
 from toolkit import cpu
 from toolkit.errors import InputError
 
-# the speculation tests: identity with the target alone, the verify rule, the drafts, the assisted-generation peers
-SPEC_TESTS = ("tests/test_spec.py", "tests/test_spec_verify.py", "tests/test_spec_drafts.py",
-              "tests/test_spec_peers.py")
+# the speculation tests whose targets and drafts run specquant's kernels: identity with the target alone, the verify
+# rule on models, the drafts (tests/test_spec_peers.py runs transformers' own assisted generation: no kernel of ours)
+SPEC_TESTS = ("tests/test_spec.py", "tests/test_spec_verify.py", "tests/test_spec_drafts.py")
 # the tests whose answers depend on the ISA the kernels were built for: the GEMMs, the KV kernel, the quantized
 # layers' kernel choice, the native decoder stack (row independence), speculative identity on native targets
 ISA_TESTS = ("tests/test_native_gemm.py", "tests/test_half_native.py", "tests/test_bf16_native.py", "tests/test_vnni.py",
              "tests/test_kv_kernel.py", "tests/test_qlinear.py", "tests/test_native_decoder.py",
              "tests/test_lean_forward.py", *SPEC_TESTS, "tests/test_native_dot_int8.py")
-# at the portable level no SIMD kernel loads: the fallbacks' own tests and speculative identity on them
-PORTABLE_TESTS = ("tests/test_native_gemm.py", "tests/test_kv_kernel.py", "tests/test_qlinear.py", *SPEC_TESTS)
+# at the portable level no SIMD kernel loads: the fallbacks' own tests and speculative identity on them (the verify
+# rule and the drafts run the same torch code there as at the level above)
+PORTABLE_TESTS = ("tests/test_native_gemm.py", "tests/test_kv_kernel.py", "tests/test_qlinear.py", "tests/test_spec.py")
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parent.parent / "toolkit"
 # lowest first; a package may import its own layer's packages' peers only where listed together below
 LAYERS = [
     # machine facts, kernels' build cache, file and path helpers, timing, the pass flags, the results store
-    {"toolkit", "errors", "paths", "fileio", "cpu", "cbuild", "machine", "timing", "passes", "results", "settings"},
+    {"toolkit", "errors", "paths", "fileio", "cpu", "cbuild", "machine", "timing", "passes", "results", "settings",
+     "model_state"},
     {"data", "models"},  # offline text; the model registry, fetch and load
     {"quant"},  # kernels' wrappers, primitives, GPTQ/AWQ/RTN, quantized layers, checkpoints and formats
     {"kv"},  # KV caches: contiguous, quantized, paged

@@ -9,9 +9,16 @@ import pytest
 import torch
 
 from toolkit.engine import ContiguousKVCache, generate
+from toolkit.engine.fused_packs import fused_pack, set_fused_pack
 from toolkit.engine.lean_forward import LeanForward, install
-from toolkit.engine.precision import FBGEMM_MAX_ROWS, Precision, fbgemm_available, prepare_model
+from toolkit.engine.precision import (
+    FBGEMM_MAX_ROWS,
+    Precision,
+    fbgemm_available,
+    prepare_model,
+)
 from toolkit.errors import InputError
+from toolkit.model_state import peek
 
 
 @pytest.fixture(params=["llama", "qwen2"])
@@ -101,8 +108,8 @@ def test_fused_fbgemm_projections_give_the_transformers_forwards_logits(float_mo
     lean = prepare_model(copy.deepcopy(float_model), half, wide_copy=True, gemm="fbgemm")
     assert install(lean, "lean") == "lean"  # the torch operators (auto would run the native fp16 stack here)
     attn, mlp = lean.model.layers[0].self_attn, lean.model.layers[0].mlp
-    assert attn.specquant_qkv.sizes == (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
-    assert mlp.specquant_gate_up.sizes == (mlp.gate_proj.out_features, mlp.up_proj.out_features)
+    assert fused_pack(attn, "qkv").sizes == (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+    assert fused_pack(mlp, "gate_up").sizes == (mlp.gate_proj.out_features, mlp.up_proj.out_features)
     assert getattr(attn.q_proj, "fbgemm_fp16", None) is None  # the fused pack replaced it
     got, expected = passes(lean, lean, fp_cache), passes(reference, reference, fp_cache)
     for x, y in zip(got, expected, strict=True):
@@ -121,7 +128,7 @@ def test_engine_generate_gives_the_same_tokens_with_either_forward(tiny_llama_di
     for choice in ("transformers", "lean"):
         cfg = default_engine_config(forward=choice)
         loaded = load_engine_model(str(tiny_llama_dir), cfg)
-        assert loaded.model.specquant_forward == choice
+        assert peek(loaded.model).forward == choice
         out = generate(loaded.model, loaded.tokenizer, ["The syntax of", "A class is a"], new_tokens=12)
         results[choice] = [s.token_ids for s in out.sequences]
     assert results["lean"] == results["transformers"]
@@ -186,7 +193,12 @@ def test_the_paged_servers_bucketed_attention_runs_under_the_lean_forward(tiny_l
 
     from tests.test_paged_attention import LENGTHS, _prefilled, _step
     from toolkit.kv.paged import PagedKVCache
-    from toolkit.kv.paged.attention import PAGED_ATTENTION, PLAN_KEY, paged_sdpa, use_paged_attention
+    from toolkit.kv.paged.attention import (
+        PAGED_ATTENTION,
+        PLAN_KEY,
+        paged_sdpa,
+        use_paged_attention,
+    )
 
     models = {}
     for choice in ("transformers", "lean"):
@@ -232,18 +244,18 @@ def test_a_quantized_self_draft_never_runs_the_targets_fused_fp16_packs(float_mo
     packs = {"int4pack": Int4Pack, "int4n8": Int4N8Pack}  # the int4 kernels' fused packs
     if attn.q_proj.kernel in packs:  # an int4 kernel runs the quantized layers: packed int4 too
         kind = packs[attn.q_proj.kernel]
-        assert isinstance(attn.specquant_qkv, kind) and isinstance(mlp.specquant_gate_up, kind)
-        assert attn.specquant_qkv.sources == (attn.q_proj, attn.k_proj, attn.v_proj)
+        assert isinstance(fused_pack(attn, "qkv"), kind) and isinstance(fused_pack(mlp, "gate_up"), kind)
+        assert fused_pack(attn, "qkv").sources == (attn.q_proj, attn.k_proj, attn.v_proj)
     else:
-        assert getattr(attn, "specquant_qkv", None) is None and getattr(mlp, "specquant_gate_up", None) is None
-    assert target.model.layers[0].self_attn.specquant_qkv is not None  # the target keeps its own
-    assert not isinstance(target.model.layers[0].self_attn.specquant_qkv, (Int4Pack, Int4N8Pack))
+        assert fused_pack(attn, "qkv") is None and fused_pack(mlp, "gate_up") is None
+    assert fused_pack(target.model.layers[0].self_attn, "qkv") is not None  # the target keeps its own
+    assert not isinstance(fused_pack(target.model.layers[0].self_attn, "qkv"), (Int4Pack, Int4N8Pack))
     ids = torch.randint(4, target.config.vocab_size, (1, 6))
     with torch.inference_mode():
         lean = draft(input_ids=ids, use_cache=False).logits
         transformers = type(draft).forward(draft, input_ids=ids, use_cache=False).logits
         # a pack left on a swapped layer is stale: the lean forward runs the layer itself
-        layer.self_attn.specquant_qkv = target.model.layers[0].self_attn.specquant_qkv
+        set_fused_pack(layer.self_attn, "qkv", fused_pack(target.model.layers[0].self_attn, "qkv"))
         stale = draft(input_ids=ids, use_cache=False).logits
     assert torch.equal(lean, transformers)
     assert torch.equal(stale, lean)
@@ -269,9 +281,9 @@ def test_fused_int4_packs_give_the_quantized_layers_logits_bit_for_bit(float_mod
     if attn.q_proj.kernel != kernel:
         pytest.skip(f"the {kernel} int4 kernel does not run these layers here")
     if not native and attn.q_proj._code_layout != "packed":  # torch's AVX512 layout: not known to stack along out
-        assert attn.specquant_qkv is None
+        assert fused_pack(attn, "qkv") is None
         pytest.skip("torch's int4 layout on this CPU is not the documented one: its layers are not fused")
-    assert isinstance(attn.specquant_qkv, Int4N8Pack if native else Int4Pack)
+    assert isinstance(fused_pack(attn, "qkv"), Int4N8Pack if native else Int4Pack)
     # the layers keep their own packs, for products of kernel_max_rows rows or more
     assert getattr(attn.q_proj, "weight_int4n8" if native else "weight_int4pack") is not None
 
@@ -335,7 +347,7 @@ def test_the_rotary_table_gives_the_modules_own_cos_and_sin_bit_for_bit(theta):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from toolkit.engine.lean_ops import rotary_cos_sin
+    from toolkit.engine.lean_ops import rotary_cos_sin, rotary_table
 
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=theta, max_position_embeddings=8192)
     rotary = LlamaRotaryEmbedding(config)
@@ -351,7 +363,7 @@ def test_the_rotary_table_gives_the_modules_own_cos_and_sin_bit_for_bit(theta):
             for j, p in enumerate(positions[row]):
                 one_cos, one_sin = rotary(hidden, position_ids=torch.tensor([[p]]))
                 assert torch.equal(cos[row, j], one_cos[0, 0]) and torch.equal(sin[row, j], one_sin[0, 0])
-    assert rotary.specquant_table[0].shape[0] == 8192  # grown by doubling past 4999
+    assert rotary_table(rotary, hidden, 1)[0].shape[0] == 8192  # grown by doubling past 4999
     negative = torch.tensor([[-1, 0, 1]])  # not a row of the table: the module's own values
     assert all(torch.equal(a, b) for a, b in zip(rotary_cos_sin(rotary, hidden, negative),
                                                   rotary(hidden, position_ids=negative)))

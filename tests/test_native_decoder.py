@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from toolkit.engine import ContiguousKVCache, generate
+from toolkit.engine.fused_packs import fused_pack, set_fused_pack
 from toolkit.engine.lean_forward import LeanForward, install
 from toolkit.engine.native_decoder import NativeDecoder, library
 from toolkit.engine.precision import Precision, prepare_model
@@ -42,7 +43,8 @@ def _act_order(model, group: int):
                 qw = QuantizedWeight(codes, scale, zero, config, child.bias, (position // group).to(torch.int32))
                 setattr(module, name, QuantLinear.from_quantized(qw))
     for layer in model.model.layers:
-        layer.self_attn.specquant_qkv = layer.mlp.specquant_gate_up = None
+        set_fused_pack(layer.self_attn, "qkv", None)
+        set_fused_pack(layer.mlp, "gate_up", None)
     fuse_projections(model)
     return model
 
@@ -80,7 +82,7 @@ def native_model(request, tiny_llama_dir, tiny_qwen2, tiny_tokenizer):
         if kind == "int4ao":  # act-order codes: every product gathers its inputs (QuantLinear.in_perm)
             model = _act_order(model, 32)
             layer = model.model.layers[0]
-            assert layer.self_attn.specquant_qkv.in_perm is not None and layer.mlp.down_proj.in_perm is not None
+            assert fused_pack(layer.self_attn, "qkv").in_perm is not None and layer.mlp.down_proj.in_perm is not None
     elif kind == "int8":  # int8 per-channel symmetric: specquant's int8 GEMM (an int8 checkpoint's layers)
         model = build_self_draft(target, bits=8, group_size=-1)
     elif kind == "bf16":
@@ -262,13 +264,13 @@ def test_int8_activations_approximate_the_fp32_stack_and_keep_rows_independent(n
 
 @pytest.mark.parametrize("draft_kind", ["lookup", "self-int4", "self-w4a8-shared-kv"])
 def test_speculative_greedy_output_with_a_native_target_is_the_target_alone(native_model, tiny_tokenizer, draft_kind):
+    import pydoc_data.topics
+
     from toolkit.spec.build import build_draft
     from toolkit.spec.decode import DraftLength, speculative_generate
     from toolkit.spec.drafts import LookupDraft, ModelDraft
     from toolkit.spec.ragged import RaggedBatch
     from toolkit.spec.self_draft import build_self_draft
-
-    import pydoc_data.topics
 
     texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 400]
     prompts = [texts[3 * i][:50 + 9 * i] + " " + texts[3 * i][:20] for i in range(6)]

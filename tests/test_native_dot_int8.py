@@ -14,6 +14,7 @@ from toolkit.engine.precision import Precision, prepare_model
 from toolkit.engine.setup import use_native_dot
 from toolkit.errors import InputError
 from toolkit.kv import KVSpec
+from toolkit.model_state import peek, state_of
 from toolkit.quant import vnni
 
 pytestmark = pytest.mark.skipif(library() is None or not vnni.available(),
@@ -39,7 +40,7 @@ def int4_model(tiny_tokenizer):
     from toolkit.spec.self_draft import build_self_draft
 
     model = build_self_draft(_float_model(tiny_tokenizer), bits=4, group_size=32)
-    model.specquant_precision = Precision(torch.float32, torch.float16)
+    state_of(model).precision = Precision(torch.float32, torch.float16)
     assert model.forward.native_decoder() is not None
     return model
 
@@ -58,7 +59,8 @@ def test_every_product_runs_int8_activations_close_to_the_exact_stack(int4_model
     use_native_dot(int4_model, "int8")
     native = int4_model.forward.native_decoder()
     assert native.w4a8 == len(native.kinds) == 4 * int4_model.config.num_hidden_layers
-    assert int4_model.specquant_precision.dot == "int8" and "int8" in int4_model.specquant_precision.name
+    precision = peek(int4_model).precision
+    assert precision.dot == "int8" and "int8" in precision.name
     assert "int4 x int8" in next(iter(native.describe()["products"]))
     from toolkit.evaluation.forward import window_logits
 
@@ -93,7 +95,7 @@ def test_speculative_greedy_output_at_int8_is_the_target_alone(int4_model, tiny_
 
 def test_a_model_it_cannot_run_is_a_clear_error(tiny_tokenizer):
     model = _float_model(tiny_tokenizer)
-    model.specquant_precision = Precision(torch.float32, torch.float16)
+    state_of(model).precision = Precision(torch.float32, torch.float16)
     with pytest.raises(InputError, match="applies to int4 checkpoints") as error:
         use_native_dot(model, "int8")
     assert "engine.native_dot=fp32" in error.value.fix

@@ -12,8 +12,18 @@ import torch
 
 from benchmarks.quant_peers import checkpoint_from_dump, main, read_dump
 from toolkit.errors import InputError
-from toolkit.quant.checkpoint import load_quantized, peer_record, read_manifest, save_quantized
-from toolkit.quant.model_quant import QuantRecipe, quantize_model, swap_quantized_modules
+from toolkit.model_state import peek
+from toolkit.quant.checkpoint import (
+    load_quantized,
+    peer_record,
+    read_manifest,
+    save_quantized,
+)
+from toolkit.quant.model_quant import (
+    QuantRecipe,
+    quantize_model,
+    swap_quantized_modules,
+)
 from toolkit.quant.qlinear import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval" / "peers"))
@@ -81,7 +91,7 @@ def test_the_engine_labels_a_peer_checkpoint_with_the_peers_method(llama, tiny_l
     out = checkpoint_from_dump(tmp_path / "d.safetensors", str(tiny_llama_dir), tmp_path / "ck")
     assert read_manifest(out)["recipe"]["method"] == "rtn"  # our nearest
     loaded = load_engine_model(str(out), EngineSpec())
-    assert loaded.model.specquant_quant_label.startswith("auto-round autoround int4 g32")
+    assert peek(loaded.model).quant_label.startswith("auto-round autoround int4 g32")
 
 
 def test_a_dump_that_does_not_fit_the_source_or_is_not_a_dump_is_refused(llama, tiny_llama_dir, tiny_gemma3_dir,

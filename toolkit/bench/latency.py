@@ -17,6 +17,7 @@ from toolkit.engine.precision import model_precision
 from toolkit.errors import InputError
 from toolkit.evaluation.generation import token_agreement
 from toolkit.kv import KVSpec
+from toolkit.model_state import peek
 from toolkit.timing import GenerationTiming, RssSampler, percentiles
 
 
@@ -101,7 +102,7 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
 
 def _path_summary(model, timings, peak_mb, mean_context, bandwidth, **extra) -> dict:
     precision = model_precision(model)
-    label = getattr(model, "specquant_quant_label", None)
+    label = peek(model).quant_label
     summary = summarize(timings, peak_mb, **extra, dtype=f"{label} + {precision.name}" if label else precision.name,
                         decode_floor=decode_floor(model, precision.compute, mean_context, bandwidth))
     # How many times slower than the bandwidth floor the measured decode step is (1.0 = at the floor).

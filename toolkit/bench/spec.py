@@ -18,9 +18,10 @@ import torch
 from toolkit.bench.interleave import interleaved
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
-from toolkit.errors import InputError
 from toolkit.engine.spec import EngineSpec
+from toolkit.errors import InputError
 from toolkit.kv import KVSpec, kv_spec
+from toolkit.model_state import peek
 from toolkit.quant.formats import is_quantized_model
 from toolkit.spec.decode import DraftLength, speculative_generate
 
@@ -68,7 +69,7 @@ def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[l
     nospec_decode = nospec_s - sum(prefills["nospec"])
     spec_decode = spec_s - sum(prefills["spec"])
     precision = model_precision(model)
-    label = getattr(model, "specquant_quant_label", None)
+    label = peek(model).quant_label
     return {
         "dtype": f"{label} + {precision.name}" if label else precision.name,
         "prompt_tokens": round(statistics.mean(len(p) for p in prompts)),
@@ -140,7 +141,11 @@ def _peer(model_name: str, spec_cfg, prompt_ids, new_tokens: int, length: DraftL
     (toolkit.bench.peers), for spec=lookup and for spec=draft; {} otherwise. A draft that is one of our quantized
     checkpoints is run by the peer as the float model it was made from (its manifest's `source`): the same pair,
     as transformers can run it; a foreign GPTQ/AWQ draft gets no peer."""
-    from toolkit.bench.peers import TRANSFORMERS_LOOKUP_TOKENS, assisted_draft_peer, assisted_lookup_peer
+    from toolkit.bench.peers import (
+        TRANSFORMERS_LOOKUP_TOKENS,
+        assisted_draft_peer,
+        assisted_lookup_peer,
+    )
     from toolkit.engine.precision import prepare_model, resolve_precision
     from toolkit.models import load_model
     from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest

@@ -9,6 +9,24 @@ from toolkit.paths import RECIPES_DIR, recipe_path  # noqa: F401 (RECIPES_DIR: t
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
+
+def register_schemas() -> None:
+    """Register the typed engine settings in hydra's ConfigStore as `engine/schema`, which conf/engine/*.yaml
+    extend: a value of the wrong type (engine.threads=abc) or an unknown key fails while hydra composes, and
+    EngineSpec.from_node checks the choices. EngineSpec is frozen once resolved, but its schema node must take
+    the YAML merged onto it, so the node is made writable."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from toolkit.engine.spec import EngineSpec
+
+    schema = OmegaConf.structured(EngineSpec)
+    OmegaConf.set_readonly(schema, False)
+    ConfigStore.instance().store(group="engine", name="schema", node=schema)
+
+
+register_schemas()  # before any config of conf/ is composed: every composition goes through this module
+
 # Subcommands whose first positional word is an action, and which config group the word after it selects.
 _ACTIONS = {"models": "model", "data": "data"}
 

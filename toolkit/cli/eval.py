@@ -12,6 +12,7 @@ from toolkit.evaluation.models import load_candidate, load_reference
 from toolkit.evaluation.suite import Settings, resolve_tasks, run_tasks
 from toolkit.kv import KVSpec
 from toolkit.machine import machine_facts
+from toolkit.model_state import peek
 from toolkit.quant.qlinear import exact_prefill
 from toolkit.results import append_to_store, make_result, write_result
 
@@ -33,7 +34,7 @@ def evaluate_model(cfg) -> dict:
     split = cfg.data.get("split", "evaluation")
     texts = list(load_text(cfg.data.name, split)["text"])
     data = f"{cfg.data.name}/{split}"
-    quant = getattr(loaded.model, "specquant_quant_label", None)
+    quant = peek(loaded.model).quant_label
     running = f"{quant} Linear weights, the rest {loaded.precision.name}" if quant else loaded.precision.name
     exact = bool(cfg.get("exact_prefill", False))
     console.print(f"[bold]{loaded.name}[/] ({running}, KV {kind}"

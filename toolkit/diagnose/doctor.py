@@ -18,6 +18,7 @@ from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
 from toolkit.evaluation.generation import token_agreement
 from toolkit.kv import KVSpec
+from toolkit.model_state import peek
 
 
 def workload_texts(cfg, tokenizer) -> list[str]:
@@ -94,7 +95,7 @@ def diagnose(cfg, loaded, engine: EngineSpec, kv: KVSpec, progress=None) -> dict
     kv_share = bound["decode"]["kv_bytes"] / bound["decode"]["bytes_per_token"]
     names = wi.choose(OmegaConf.to_container(cfg.whatifs) if OmegaConf.is_config(cfg.whatifs) else cfg.whatifs,
                       path, kv_share, workload["repeated_prefix_share"])
-    quantized_input = getattr(model, "specquant_quant_label", None) is not None
+    quantized_input = peek(model).quant_label is not None
     options, notes = wi.build_options(names, model, cfg.model.name, engine, kv, spec_cfg, tokenizer,
                                       quantized_input)
     options[0].draft = baseline.draft

@@ -16,6 +16,7 @@ stacked weights' pack, bit-identical to the separate layers (checked when made, 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -214,6 +215,21 @@ def _fuse(modules) -> FusedPack | Int4Pack | Int4N8Pack | Int8Pack | None:
                      sources=tuple(modules))
 
 
+_PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""attention or MLP module -> {"qkv" | "gate_up": its fused pack}: kept beside the modules, not on them, so a copy
+of a module (a self-draft's quantized layer) starts without its original's packs."""
+
+
+def fused_pack(module, name: str):
+    """`module`'s fused pack `name` ("qkv" or "gate_up") as made, stale or not, or None."""
+    return _PACKS.get(module, {}).get(name)
+
+
+def set_fused_pack(module, name: str, pack) -> None:
+    """Give `module` the fused pack `name` (None: none)."""
+    _PACKS.setdefault(module, {})[name] = pack
+
+
 def fuse_projections(model) -> int:
     """Give each decoder layer of a lean-supported model fused q,k,v and gate,up packs, fbgemm fp16 (see the module
     docstring), int8 (`Int8Pack`) or int4 (`Int4Pack`, `Int4N8Pack`); returns how many packs were made (0 where the
@@ -221,12 +237,11 @@ def fuse_projections(model) -> int:
     made = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, "specquant_qkv", None) is None:
-            attn.specquant_qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            made += attn.specquant_qkv is not None
-        if getattr(mlp, "specquant_gate_up", None) is None:
-            mlp.specquant_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
-            made += mlp.specquant_gate_up is not None
+        for module, name, layers in ((attn, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
+                                     (mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])):
+            if fused_pack(module, name) is None:
+                set_fused_pack(module, name, _fuse(layers))
+                made += fused_pack(module, name) is not None
     bump()
     return made
 
@@ -235,7 +250,7 @@ def layer_pack(module, name: str, *layers) -> FusedPack | Int4Pack | Int4N8Pack 
     """`module`'s fused pack of `layers`, or None. A layer swapped since the pack was made (a self-draft's quantized
     copy) makes it stale: then the layers run themselves. fbgemm computes in fp32, so exact_linears (an fp16
     overflow's rerun) keeps a fused pack, as it keeps the separate layers' packs."""
-    pack = getattr(module, name, None)
+    pack = fused_pack(module, name)
     if pack is None or any(a is not b for a, b in zip(pack.sources, layers)):
         return None
     return pack
@@ -255,6 +270,5 @@ def pack_for(pack, rows: int, bf16: bool):
 def strip_fused(module) -> None:
     """Drop the fused packs under `module` (a copy whose layers are about to be swapped: they would be stale)."""
     for child in module.modules():
-        child.__dict__.pop("specquant_qkv", None)
-        child.__dict__.pop("specquant_gate_up", None)
+        _PACKS.pop(child, None)
     bump()

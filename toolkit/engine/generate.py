@@ -17,6 +17,7 @@ from toolkit.engine.precision import bf16_prefill, exact_linears, overflowed
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.errors import InputError
 from toolkit.kv.config import KVSpec
+from toolkit.model_state import peek
 from toolkit.timing import GenerationTiming, Stopwatch
 
 # on_token(sequence_index, token_id, text_delta): called for every token of every running sequence, and once more
@@ -105,7 +106,7 @@ def decode_step(model, tokens, attention_mask, position_ids, cache) -> torch.Ten
     Uses the compiled forward that `engine.setup.compile_decode` attached, if any. One sequence on the native stack
     takes the lean forward's one-token path (`LeanForward.one_token`: the same logits, without the call's tensors and
     module plumbing around the stack; no overflow check, as the stack sums in fp32)."""
-    compiled = getattr(model, "specquant_decode_forward", None)
+    compiled = peek(model).decode_forward
     lean = one_token_forward(model) if compiled is None and attention_mask is None and tokens.shape[0] == 1 else None
     if lean is not None:
         logits = lean.one_token(int(tokens[0, 0]), int(position_ids[0, -1]), cache)

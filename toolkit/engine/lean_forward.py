@@ -131,8 +131,8 @@ class _LayerPlan(NamedTuple):
     def of(cls, layer) -> _LayerPlan:
         attn, mlp = layer.self_attn, layer.mlp
         return cls(attn, layer.input_layernorm,
-                   layer_pack(attn, "specquant_qkv", attn.q_proj, attn.k_proj, attn.v_proj), attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.post_attention_layernorm,
-                   layer_pack(mlp, "specquant_gate_up", mlp.gate_proj, mlp.up_proj), mlp.gate_proj, mlp.up_proj,
+                   layer_pack(attn, "qkv", attn.q_proj, attn.k_proj, attn.v_proj), attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.post_attention_layernorm,
+                   layer_pack(mlp, "gate_up", mlp.gate_proj, mlp.up_proj), mlp.gate_proj, mlp.up_proj,
                    F.silu if type(mlp.act_fn) in SILU else mlp.act_fn, mlp.down_proj)
 
 

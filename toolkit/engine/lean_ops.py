@@ -5,6 +5,8 @@ the transformers module or function it stands in for computes, bit for bit (test
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -113,13 +115,16 @@ def rotary_cos_sin(rotary, hidden: torch.Tensor, position_ids: torch.Tensor) -> 
     return table[0][position_ids], table[1][position_ids]
 
 
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rotary module -> its (cos, sin) table
+
+
 def rotary_table(rotary, hidden: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain rotary's (cos, sin) table for positions 0..n-1, n >= `need` (`rotary_cos_sin`), made or grown (by
     doubling, at least 1024) when it is shorter or of another dtype than `hidden`, and kept on the module."""
-    table = getattr(rotary, "specquant_table", None)
+    table = _TABLES.get(rotary)
     if table is None or table[0].shape[0] < need or table[0].dtype != hidden.dtype:
         size = max(1024, 1 << (need - 1).bit_length())
         cos, sin = rotary(hidden, position_ids=torch.arange(size, device=hidden.device)[None])
         table = (cos[0], sin[0])
-        rotary.specquant_table = table
+        _TABLES[rotary] = table
     return table

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from toolkit import cpu
 from toolkit.errors import InputError
+from toolkit.model_state import peek, state_of
 from toolkit.passes import (  # noqa: F401 (re-exported: the engine's names for them)
     BF16_DEQUANT_MIN_ROWS,
     BF16_PREFILL_MIN_ROWS,
@@ -87,7 +88,7 @@ class Precision:
 def runs_int8_activations(model) -> bool:
     """Whether `model` was prepared at engine.native_dot=int8 (its int4 products take int8 activations, on the
     native stack only: evaluation runs it there, docs/engine.md)."""
-    precision = getattr(model, "specquant_precision", None)
+    precision = peek(model).precision
     return precision is not None and precision.dot == "int8"
 
 
@@ -177,13 +178,13 @@ class HalfStorageLinear(torch.nn.Linear):
 
 def prefill_runs_bf16(model) -> bool:
     """Whether `model`'s prompt passes run bf16 products (what `prepare_model`'s `prefill` resolved to)."""
-    precision = getattr(model, "specquant_precision", None)
+    precision = peek(model).precision
     return precision is not None and precision.prefill == "bf16"
 
 
 def may_overflow(model) -> bool:
     """True when the model's half-precision path can overflow (fp16 weights under wider activations)."""
-    precision = getattr(model, "specquant_precision", None)
+    precision = peek(model).precision
     return precision is not None and precision.weights == torch.float16 and precision.compute != torch.float16
 
 
@@ -293,13 +294,13 @@ def prepare_model(model: torch.nn.Module, precision: Precision | torch.dtype,
         for module in model.modules():
             if hasattr(type(module), "prefill_bf16"):
                 module.prefill_bf16 = True
-    model.specquant_precision = dataclasses.replace(precision, prefill=prefill)
+    state_of(model).precision = dataclasses.replace(precision, prefill=prefill)
     return model
 
 
 def model_precision(model) -> Precision:
     """What prepare_model set, else the parameters' dtype for both."""
-    found = getattr(model, "specquant_precision", None)
+    found = peek(model).precision
     if found is None:
         dtype = next(model.parameters()).dtype
         found = Precision(dtype, dtype)

@@ -11,6 +11,7 @@ from toolkit.engine.lean_forward import install as install_forward
 from toolkit.engine.precision import Precision, prepare_model, resolve_precision
 from toolkit.engine.spec import ENGINE_DOTS, LOWBIT_KERNELS, EngineSpec
 from toolkit.errors import InputError, ModelError
+from toolkit.model_state import state_of
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,9 @@ def default_engine_config(**overrides) -> EngineSpec:
     the benches that load models outside a hydra command start from."""
     from omegaconf import OmegaConf
 
-    return EngineSpec.from_node(OmegaConf.merge(OmegaConf.load(DEFAULT_ENGINE_YAML), overrides))
+    yaml = OmegaConf.load(DEFAULT_ENGINE_YAML)
+    yaml.pop("defaults", None)  # hydra's defaults list (the engine/schema it extends), not a setting
+    return EngineSpec.from_node(OmegaConf.merge(yaml, overrides))
 
 
 def load_engine_model(name: str, engine: EngineSpec):
@@ -102,7 +105,7 @@ def load_quantized_model(path):
     peer = peer_record(path) if ours else None
     method = f"{peer.get('tool')} {peer.get('method')}" if peer else recipe.method
     label = f"{method} int{recipe.bits} {group}" + ("" if ours else f" ({detect_format(path)} format)")
-    model.specquant_quant_label = label  # shown beside the dtype in results
+    state_of(model).quant_label = label  # shown beside the dtype in results
     source = read_manifest(path).get("source") if ours else export_source(path)
     name = f"{source or Path(path).name} ({Path(path).name})"
     return LoadedModel(model, tokenizer, name, None, Path(path), torch.float32,
@@ -139,7 +142,8 @@ def use_native_dot(model, dot: str) -> None:
             forward.use_dot("fp32")
             raise InputError(f"engine.native_dot=bf16 cannot run this model: {why}",
                              "use engine.native_dot=fp32, or a CPU with AVX512-BF16")
-    model.specquant_precision = dataclasses.replace(model.specquant_precision, dot=dot)
+    state = state_of(model)
+    state.precision = dataclasses.replace(state.precision, dot=dot)
 
 
 def _use_int8_activations(forward, native) -> None:
@@ -169,14 +173,14 @@ def prepare_engine_model(model, engine: EngineSpec) -> Precision:
     if engine.device != "cpu":
         model.to(engine.device)
     prepare_model(model, precision, wide_copy=engine.wide_copy, gemm=engine.gemm, prefill=engine.prefill_dtype)
-    model.specquant_forward = install_forward(model, engine.forward)
+    state_of(model).forward = install_forward(model, engine.forward)
     use_native_dot(model, engine.native_dot)
     if engine.compile:
         compile_decode(model)
-    return model.specquant_precision  # with what the prompt passes resolved to
+    return state_of(model).precision  # with what the prompt passes resolved to
 
 
 def compile_decode(model) -> None:
     """torch.compile the forward that decode steps use (prefill stays eager: one graph fewer to build), with
     dynamic shapes so one graph serves every cache length. The first decode step pays the compilation."""
-    model.specquant_decode_forward = torch.compile(model.forward, dynamic=True)
+    state_of(model).decode_forward = torch.compile(model.forward, dynamic=True)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from toolkit.errors import InputError
 from toolkit.kv.quantize import ALLOWED_BITS
+from toolkit.model_state import peek
 from toolkit.settings import node_values, refuse_unknown
 
 DEQUANT_MODES = ("full", "torch", "cached")
@@ -164,6 +165,6 @@ class KVSpec:
 
 def compute_dtype(model):
     """The dtype a model's activations (and so its keys and values) run in: what the engine prepared it for
-    (`model.specquant_precision`), else its parameters' dtype."""
-    precision = getattr(model, "specquant_precision", None)
+    (toolkit.model_state), else its parameters' dtype."""
+    precision = peek(model).precision
     return precision.compute if precision is not None else next(model.parameters()).dtype

@@ -33,6 +33,7 @@ from toolkit.engine.precision import bf16_prefill
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.errors import InputError
 from toolkit.kv.config import KVSpec
+from toolkit.model_state import peek
 from toolkit.spec.ragged import RaggedBatch
 from toolkit.spec.verify import verify
 from toolkit.timing import GenerationTiming
@@ -137,7 +138,7 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
         draft.generator = generator  # one stream of random numbers for the whole run: seeded runs repeat
     slots = capacity(width, new_tokens, k_max, batch)
     target = RaggedBatch(model, make_kv_cache(model, slots, kv), batch, pad_id,
-                         getattr(model, "specquant_decode_forward", None))
+                         peek(model).decode_forward)
     draft.reset(target, slots)
     detok = [Detokenizer(tokenizer, stop_strings) for _ in range(batch)] if (on_token or stop_strings) else None
     stats = SpecStats()

@@ -18,6 +18,7 @@ import torch
 from toolkit.engine.sampling import SamplingParams, argmax, probabilities
 from toolkit.errors import InputError
 from toolkit.kv import KVSpec, kv_spec
+from toolkit.model_state import peek
 from toolkit.spec.ragged import RaggedBatch
 
 
@@ -184,7 +185,7 @@ class ModelDraft:
                          and self.model.config.num_hidden_layers <= len(target.cache.layers))
         cache = target.cache if self.in_place else make_kv_cache(self.model, capacity, self.kv)
         self.state = RaggedBatch(self.model, cache, batch, target.pad_id,
-                                 getattr(self.model, "specquant_decode_forward", None))
+                                 peek(self.model).decode_forward)
         self.fed = [0] * batch  # per row: context tokens already in the draft's cache
         self.synced = 0  # with a shared cache: slots holding the target's keys and values
         # share_kv: read the target's cache where both caches can (see the class docstring)

@@ -22,6 +22,7 @@ from torch import nn
 from toolkit.engine.fused_packs import strip_fused
 from toolkit.engine.lean_forward import rebind as rebind_lean_forward
 from toolkit.errors import InputError
+from toolkit.model_state import inherit, peek
 
 
 def _decoder(model) -> nn.Module:
@@ -102,8 +103,9 @@ def build_self_draft(target, layers: int | None = None, bits: int | None = 4, gr
     draft._modules = dict(target._modules)
     draft.model = draft_inner
     draft.config = config
-    draft.specquant_self_draft = {"layers": n, "of": total, "bits": bits, "group_size": group_size}
-    draft.__dict__.pop("specquant_decode_forward", None)  # a compiled target forward would run the target
+    # a compiled target forward would run the target: the draft has none
+    inherit(draft, target, decode_forward=None,
+            self_draft={"layers": n, "of": total, "bits": bits, "group_size": group_size})
     rebind_lean_forward(draft)  # and so would the target's lean forward
     return draft
 
@@ -126,7 +128,7 @@ def describe(draft) -> str:
     forward = draft.__dict__.get("forward")
     native = forward.native_decoder() if isinstance(forward, LeanForward) else None
     acts = ", int8 activations" if native is not None and native.w4a8 else ""  # spec.act_bits
-    info = getattr(draft, "specquant_self_draft", None)
+    info = peek(draft).self_draft
     if info is None:
         return type(draft).__name__ + acts + head
     weights = f"int{info['bits']} g{info['group_size']}" if info["bits"] else "target weights"
