@@ -26,8 +26,8 @@
 #   (baseline='hf,llamacpp': the model's GGUF requantized to F16 / Q8_0 / Q4_0, the type nearest the weights), a
 #   llama.cpp row beside each; the quantized-cache runs do not repeat it (llama.cpp keeps its own f16 cache). The
 #   report notes each peer it lacks.
-# - int4 x int8 activations: each int4 checkpoint also at engine.native_dot=int8 (the w4a8 kernel, llama.cpp's q8
-#   activations), kv=fp: perplexity, KL and top-1 on the kv=fp windows (the only task it is evaluated on) and a
+# - int8 activations: each int4 and int8 checkpoint also at engine.native_dot=int8 (the w4a8 / w8a8 kernels,
+#   llama.cpp's q8 activations; int8 weights need AVX512-VNNI, elsewhere the sweep says so and goes on), kv=fp: perplexity, KL and top-1 on the kv=fp windows (the only task it is evaluated on) and a
 #   no-spec bench with the same baselines; rows of their own ("..., engine.native_dot=int8").
 #
 # Every result line holds its resolved config, protocol, machine facts and git revision; the store is appended to,
@@ -76,7 +76,7 @@ else
 fi
 
 models=("$MODEL")
-int4=()  # checkpoints with 4-bit weights: also measured with int8 activations (engine.native_dot=int8)
+int8act=()  # checkpoints with 4- or 8-bit weights: also measured with int8 activations (engine.native_dot=int8)
 for entry in $RECIPES; do
   recipe=${entry%%=*}
   IFS=, read -ra args <<< "${entry#*=}"  # NAME: (NAME); NAME=RECIPE,OVERRIDE,...: (RECIPE OVERRIDE ...)
@@ -85,9 +85,9 @@ for entry in $RECIPES; do
     "${QUANT_ARGS[@]}"
   models+=("$dir")
   bits=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["recipe"]["bits"])' "$dir/quant_manifest.json")
-  if [[ $bits == 4 ]]; then int4+=("$dir"); fi
+  if [[ $bits == 4 || $bits == 8 ]]; then int8act+=("$dir"); fi
 done
-stamp "quantized ${#models[@]} models (${#int4[@]} int4)"
+stamp "quantized ${#models[@]} models (${#int8act[@]} int4/int8)"
 all=$(IFS=,; echo "${models[*]}")
 kv_quant=$(without "$KVS" fp)
 spec_on=$(without "$SPECS" none)
@@ -96,8 +96,8 @@ specquant eval -m "model=$all" kv=fp "${EVAL_FP[@]}" "store=$STORE" ${EXTRA:-}
 stamp "quality, kv=fp"
 [[ -z $kv_quant ]] || specquant eval -m "model=$all" "kv=$kv_quant" "${EVAL_KV[@]}" "store=$STORE" ${EXTRA:-}
 stamp "quality, kv=$kv_quant"
-# int8 activations: one checkpoint at a time, so one the w4a8 kernel cannot run (it says why) leaves the rest
-for dir in "${int4[@]}"; do
+# int8 activations: one checkpoint at a time, so one the kernels cannot run (it says why) leaves the rest
+for dir in "${int8act[@]}"; do
   specquant eval "model=$dir" kv=fp engine.native_dot=int8 "${EVAL_INT8[@]}" "store=$STORE" ${EXTRA:-} \
     || echo "== sweep: no engine.native_dot=int8 quality for $dir (see above)"
 done
@@ -109,7 +109,7 @@ if has "$SPECS" none; then
   fi
   [[ -z $kv_quant ]] || specquant bench -m "model=$all" "kv=$kv_quant" spec=none "${BENCH_ARGS[@]}" "+store=$STORE" \
     ${EXTRA:-}
-  for dir in "${int4[@]}"; do
+  for dir in "${int8act[@]}"; do
     specquant bench "model=$dir" kv=fp spec=none engine.native_dot=int8 "$PEERS" "${BENCH_ARGS[@]}" "+store=$STORE" \
       ${EXTRA:-} || echo "== sweep: no engine.native_dot=int8 latency for $dir (see above)"
   done

@@ -6,7 +6,10 @@ import os
 import pytest
 import torch
 
+from toolkit.cli.app import register_schemas
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+register_schemas()  # as the CLI does before composing a command with an engine: tests compose conf/ directly
 
 
 def _train_tokenizer():

@@ -73,3 +73,29 @@ def test_the_check_catches_an_upward_import(tmp_path):
     bad.write_text("def f():\n    from toolkit.engine.generate import generate\n")
     assert ("toolkit.engine.generate", 2) in _imports(bad)
     assert "engine" not in ALLOWED["quant"] and "engine" in ALLOWED["spec"]
+
+
+# the command line's entry stays light (`specquant --help` and `specquant models list` load no torch): it imports a
+# command's module, and the engine's typed settings, only for the commands that use them; the models package loads
+# its torch half (load_model) on first use for the same reason
+LAZY_ON_PURPOSE = {"toolkit/cli/__init__.py", "toolkit/cli/app.py", "toolkit/models/__init__.py"}
+
+
+def _function_level_imports(path: Path) -> list[tuple[str, int]]:
+    found = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found += [(node.module or ".", node.lineno) for node in ast.walk(fn)
+                      if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("toolkit"))]
+    return found
+
+
+def test_no_import_circle_hides_in_a_function():
+    """Every toolkit module imports the toolkit modules it uses at its top: a function-level import of one would
+    hide an import circle (the layers above forbid the upward half of one, this the rest)."""
+    hidden = [f"{path.relative_to(ROOT.parent)}:{line} imports {module} inside a function"
+              for path in sorted(ROOT.rglob("*.py")) if str(path.relative_to(ROOT.parent)) not in LAZY_ON_PURPOSE
+              for module, line in _function_level_imports(path)]
+    assert not hidden, "\n".join(hidden)
+    bad = ROOT.parent / "tests" / "test_layers.py"  # the check sees one: this file's own helper is not toolkit's
+    assert _function_level_imports(bad) == []

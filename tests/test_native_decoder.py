@@ -235,11 +235,14 @@ def test_the_kv_cache_holds_what_the_torch_path_would_have_written(native_model)
 
 @pytest.mark.skipif(not vnni.available(), reason="int8 activations need the int8 kernel (AVX2)")
 def test_int8_activations_approximate_the_fp32_stack_and_keep_rows_independent(native_model):
-    """(int4 stacks: fp16 products keep fp32 activations.) A draft's stack (spec.act_bits=8): every product on the w4a8 kernel, close to the fp32 stack but not it, the
+    """(int4 and int8 stacks: fp16 products keep fp32 activations.) A draft's stack (spec.act_bits=8) or
+    engine.native_dot=int8: every product on the w4a8 (w8a8) kernel, close to the fp32 stack but not it, the
     prompt included (an empty cache is filled by the C stack too, keys and values close to the torch path's), and a
     row's logits still do not depend on the rows beside it."""
-    if native_model.specquant_test_kind not in ("int4", "int4ao"):
-        pytest.skip("int8 activations are for int4 products (a draft's)")
+    if native_model.specquant_test_kind not in ("int4", "int4ao", "int8"):
+        pytest.skip("int8 activations are for int4 and int8 products")
+    if native_model.specquant_test_kind == "int8" and not vnni.available(bits=8):
+        pytest.skip("int8 weights x int8 activations need AVX512-VNNI")
     exact = script(native_model.forward, native_model)
     native_model.forward.use_activations("int8")
     native = native_model.forward.native_decoder()

@@ -47,7 +47,7 @@ def test_the_assisted_peer_of_a_quantized_draft_checkpoint_runs_the_float_model_
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    import toolkit.bench.peers as peers
+    import toolkit.bench.spec as bench_spec
     from toolkit.bench.spec import _peer
     from toolkit.quant.checkpoint import save_quantized
     from toolkit.quant.model_quant import QuantRecipe, quantize_model
@@ -61,7 +61,7 @@ def test_the_assisted_peer_of_a_quantized_draft_checkpoint_runs_the_float_model_
         seen["assistant"] = assistant
         return {"identical_outputs": True}
 
-    monkeypatch.setattr(peers, "assisted_draft_peer", fake_peer)
+    monkeypatch.setattr(bench_spec, "assisted_draft_peer", fake_peer)
     spec_cfg = OmegaConf.create({"kind": "draft", "model": str(ck)})
     result = _peer(str(tiny_llama_dir), spec_cfg, [[20, 21, 22]], 4, DraftLength(), 1, 0, "fp32")
     assert result["peer_assisted"]["draft"] == str(tiny_llama_dir)

@@ -3,6 +3,9 @@
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from toolkit.errors import InputError
+from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
+from toolkit.quant.formats import export_source, is_quantized_model
 from toolkit.timing import GenerationTiming, Stopwatch
 
 
@@ -39,9 +42,6 @@ def hf_generate_timed(model, input_ids: list[int], new_tokens: int, **generate_k
 def float_source(model_name: str) -> str:
     """The float model transformers' baselines run for `model_name`: itself, or for a quantized checkpoint (ours
     or GPTQ/AWQ format) the float model it was quantized from."""
-    from toolkit.errors import InputError
-    from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
-    from toolkit.quant.formats import export_source, is_quantized_model
 
     if not is_quantized_model(model_name):
         return model_name

@@ -23,8 +23,13 @@ import json
 import os
 from pathlib import Path
 
+from toolkit.bench.baseline import float_source
 from toolkit.errors import InputError, ModelError
-from toolkit.paths import home
+from toolkit.models.cache import SOURCE_GGUF
+from toolkit.paths import home, models_dir
+from toolkit.quant.checkpoint import MANIFEST
+from toolkit.quant.formats import ExportError
+from toolkit.quant.formats.gguf_export import EXPORT_VERSION, export_gguf
 from toolkit.timing import GenerationTiming, Stopwatch
 
 TYPES = ("F16", "Q8_0", "Q4_0")
@@ -48,8 +53,6 @@ def nearest_type(bits: int | None) -> str:
 
 def source_gguf(model_name: str) -> Path:
     """The GGUF a registry model was converted from (`specquant models fetch` keeps it in the cache entry)."""
-    from toolkit.models.cache import SOURCE_GGUF
-    from toolkit.paths import models_dir
 
     path = models_dir() / model_name / SOURCE_GGUF
     if not path.is_file():
@@ -89,10 +92,6 @@ def content_key(model_name: str) -> str:
     file's xxh3), else every file's name, size and mtime; with the GGUF export's version."""
     import xxhash
 
-    from toolkit.paths import models_dir
-    from toolkit.quant.checkpoint import MANIFEST
-    from toolkit.quant.formats.gguf_export import EXPORT_VERSION
-
     path = Path(model_name).expanduser()
     if not path.is_dir():
         path = models_dir() / model_name
@@ -115,7 +114,6 @@ def exported_gguf(model_name: str) -> tuple[Path, dict]:
     """``(path, export record)`` of the model's own weights as GGUF (`toolkit.quant.formats.gguf_export`, type
     auto), made once and cached under the content hash; the record says "same weights" or which tensors were
     requantized."""
-    from toolkit.quant.formats.gguf_export import export_gguf
 
     stem = Path(str(model_name).rstrip("/")).name
     target = home() / "llamacpp" / f"{stem}-export-{content_key(model_name)}.gguf"
@@ -132,13 +130,11 @@ def exported_gguf(model_name: str) -> tuple[Path, dict]:
 def peer_for(model_name: str, bits: int | None, n_ctx: int, threads: int) -> LlamaCpp:
     """llama.cpp on the benchmarked model's own weights (`exported_gguf`), or where that export cannot be made,
     on the registry GGUF requantized to the nearest type (the row's ``weights`` says which)."""
-    from toolkit.quant.formats import ExportError
 
     try:
         path, record = exported_gguf(model_name)
         return LlamaCpp(path, record["type"], n_ctx, threads, weights=record["weights"])
     except (ExportError, InputError, ModelError) as exc:
-        from toolkit.bench.baseline import float_source
 
         gguf_type = nearest_type(bits)
         peer = LlamaCpp(gguf_of_type(float_source(model_name), gguf_type), gguf_type, n_ctx, threads,

@@ -16,13 +16,26 @@ from collections import Counter
 import torch
 
 from toolkit.bench.interleave import interleaved
+from toolkit.bench.peers import (
+    TRANSFORMERS_LOOKUP_TOKENS,
+    assisted_draft_peer,
+    assisted_lookup_peer,
+)
+from toolkit.data import build_prompts
 from toolkit.engine.generate import generate
-from toolkit.engine.precision import model_precision
+from toolkit.engine.kernel_paths import kernel_paths
+from toolkit.engine.precision import model_precision, prepare_model, resolve_precision
+from toolkit.engine.setup import load_engine_model
 from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
 from toolkit.kv import KVSpec, kv_spec
+from toolkit.machine import machine_facts
 from toolkit.model_state import peek
+from toolkit.models import load_model
+from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 from toolkit.quant.formats import is_quantized_model
+from toolkit.results import make_result
+from toolkit.spec.build import build_draft, describe_draft, draft_length
 from toolkit.spec.decode import DraftLength, speculative_generate
 
 
@@ -112,12 +125,6 @@ def spec_bench(model_name: str, engine: EngineSpec, spec_cfg, prompts: str, prom
     baseline=hf with spec=lookup and the fp cache on a float model also times the peer, transformers' assisted
     generation with prompt lookup on that model in fp32 (toolkit.bench.peers): once per float model, not again for
     each KV kind or for each checkpoint quantized from it."""
-    from toolkit.data import build_prompts
-    from toolkit.engine.kernel_paths import kernel_paths
-    from toolkit.engine.setup import load_engine_model
-    from toolkit.machine import machine_facts
-    from toolkit.results import make_result
-    from toolkit.spec.build import build_draft, describe_draft, draft_length
 
     loaded = load_engine_model(model_name, engine)
     texts = build_prompts(prompts, loaded.tokenizer, prompt_tokens, n_prompts)
@@ -141,14 +148,6 @@ def _peer(model_name: str, spec_cfg, prompt_ids, new_tokens: int, length: DraftL
     (toolkit.bench.peers), for spec=lookup and for spec=draft; {} otherwise. A draft that is one of our quantized
     checkpoints is run by the peer as the float model it was made from (its manifest's `source`): the same pair,
     as transformers can run it; a foreign GPTQ/AWQ draft gets no peer."""
-    from toolkit.bench.peers import (
-        TRANSFORMERS_LOOKUP_TOKENS,
-        assisted_draft_peer,
-        assisted_lookup_peer,
-    )
-    from toolkit.engine.precision import prepare_model, resolve_precision
-    from toolkit.models import load_model
-    from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 
     if spec_cfg.kind not in ("lookup", "draft"):
         return {}

@@ -1,5 +1,6 @@
 """Runs one subcommand as a hydra app, and turns user-facing errors into one clear message and exit code 2."""
 
+import functools
 import importlib
 import sys
 from pathlib import Path
@@ -10,11 +11,13 @@ from toolkit.paths import RECIPES_DIR, recipe_path  # noqa: F401 (RECIPES_DIR: t
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
+@functools.cache
 def register_schemas() -> None:
     """Register the typed engine settings in hydra's ConfigStore as `engine/schema`, which conf/engine/*.yaml
     extend: a value of the wrong type (engine.threads=abc) or an unknown key fails while hydra composes, and
     EngineSpec.from_node checks the choices. EngineSpec is frozen once resolved, but its schema node must take
-    the YAML merged onto it, so the node is made writable."""
+    the YAML merged onto it, so the node is made writable. Called before composing a command whose config has an
+    engine (it loads torch, which `specquant models list` does without)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
@@ -25,7 +28,8 @@ def register_schemas() -> None:
     ConfigStore.instance().store(group="engine", name="schema", node=schema)
 
 
-register_schemas()  # before any config of conf/ is composed: every composition goes through this module
+def uses_engine(command: str) -> bool:
+    return "- engine:" in (CONF_DIR / f"{command}.yaml").read_text()
 
 # Subcommands whose first positional word is an action, and which config group the word after it selects.
 _ACTIONS = {"models": "model", "data": "data"}
@@ -115,6 +119,8 @@ def run_command(command: str, argv: list[str]) -> None:
         except SpecquantError as err:
             _fail(err)
 
+    if uses_engine(command):
+        register_schemas()
     sys.argv = [f"specquant {command}", *overrides]
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=command)(task)()
 

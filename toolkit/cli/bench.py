@@ -11,13 +11,21 @@ from rich.table import Table
 from toolkit.bench import llamacpp
 from toolkit.bench.baseline import float_source
 from toolkit.bench.latency import run_latency_bench
+from toolkit.bench.spec import print_spec_table, spec_bench
+from toolkit.data import build_prompts
 from toolkit.engine.kernel_paths import kernel_paths, summary
 from toolkit.engine.precision import prepare_model, resolve_precision
-from toolkit.engine.setup import configure_engine, load_quantized_model, prepare_engine_model
+from toolkit.engine.setup import (
+    configure_engine,
+    load_quantized_model,
+    prepare_engine_model,
+)
 from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
 from toolkit.kv import KVSpec
 from toolkit.machine import machine_facts
+from toolkit.models import load_model
+from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 from toolkit.quant.formats import is_quantized_model
 from toolkit.results import append_to_store, make_result, write_result
 from toolkit.spec.config import SpecConfig
@@ -27,7 +35,6 @@ console = Console(width=None if sys.stdout.isatty() else 150)
 
 def _bits(model_name: str) -> int | None:
     """The weight bits of a quantized checkpoint (None: a float model), for llama.cpp's nearest type."""
-    from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 
     if not is_quantized_model(model_name):
         return None
@@ -38,8 +45,6 @@ def bench(model_name: str, engine: EngineSpec, prompts: str, prompt_tokens: int,
           repeats: int, warmup: int, baseline: str, baseline_dtype: str, config: dict,
           kv: KVSpec | None = None) -> dict:
     """Load once, build prompts, time both paths; returns the result record (also used by `demo`)."""
-    from toolkit.data import build_prompts
-    from toolkit.models import load_model
 
     wanted = set(str(baseline).split(","))
     if not wanted <= {"hf", "none", "llamacpp"}:
@@ -125,7 +130,6 @@ def run(cfg) -> dict:
     spec = SpecConfig.of(cfg.get("spec"))  # resolved once, here
     engine, kv = EngineSpec.from_node(cfg.engine), KVSpec.from_node(cfg.kv)
     if spec.kind != "none":  # the same target without vs with speculation (toolkit/bench/spec)
-        from toolkit.bench.spec import print_spec_table, spec_bench
 
         result = spec_bench(cfg.model.name, engine, spec, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens,
                             cfg.n_prompts, cfg.repeats, cfg.warmup, OmegaConf.to_container(cfg, resolve=True),

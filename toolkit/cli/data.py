@@ -5,14 +5,14 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from toolkit import paths
+from toolkit.data import fetch, list_datasets, load_splits
 from toolkit.errors import SpecquantError
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def show_list() -> None:
-    from toolkit import paths
-    from toolkit.data import list_datasets
 
     table = Table(title=f"datasets (cache: {paths.data_dir()})")
     for column in ("name", "cached", "documents", "characters", "description"):
@@ -27,7 +27,6 @@ def show_list() -> None:
 
 
 def show(name: str) -> None:
-    from toolkit.data import load_splits
 
     splits = load_splits(name)
     for split, ds in splits.items():
@@ -38,7 +37,6 @@ def show(name: str) -> None:
 
 
 def run(cfg) -> None:
-    from toolkit.data import fetch
 
     if cfg.action == "list":
         show_list()

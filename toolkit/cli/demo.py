@@ -7,16 +7,16 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.panel import Panel
 
+from toolkit.cli import generate as generate_cmd
 from toolkit.cli.bench import bench, print_table
 from toolkit.engine.spec import EngineSpec
+from toolkit.models import fetch, is_cached
 from toolkit.results import write_result
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def run(cfg) -> dict:
-    from toolkit.cli import generate as generate_cmd
-    from toolkit.models import fetch, is_cached
 
     name = cfg.model.name
     console.rule(f"1. model: {name}")

@@ -7,6 +7,7 @@ import sys
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from toolkit.data import load_text
 from toolkit.engine.spec import EngineSpec
 from toolkit.evaluation.models import load_candidate, load_reference
 from toolkit.evaluation.suite import Settings, resolve_tasks, run_tasks
@@ -23,7 +24,6 @@ _SETTINGS = ("window", "max_windows", "batch_size", "chunk", "items", "max_conte
 
 
 def evaluate_model(cfg) -> dict:
-    from toolkit.data import load_text
 
     tasks = resolve_tasks(cfg.task)
     kv = KVSpec.from_node(cfg.kv)  # resolved once, here

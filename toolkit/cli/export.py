@@ -7,13 +7,14 @@ from pathlib import Path
 from rich.console import Console
 
 from toolkit.errors import InputError
+from toolkit.quant.checkpoint import is_quantized_checkpoint
+from toolkit.quant.formats import FORMATS, export_checkpoint
+from toolkit.quant.formats.gguf_export import export_gguf
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def run(cfg) -> Path:
-    from toolkit.quant.checkpoint import is_quantized_checkpoint
-    from toolkit.quant.formats import FORMATS, export_checkpoint
 
     if cfg.format == "gguf":
         return _gguf(cfg)
@@ -32,7 +33,6 @@ def run(cfg) -> Path:
 
 
 def _gguf(cfg) -> Path:
-    from toolkit.quant.formats.gguf_export import export_gguf
 
     source = Path(str(cfg.model.name)).expanduser()
     gguf_type = str(cfg.get("type") or "auto").lower()

@@ -5,6 +5,7 @@ import sys
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from toolkit.data import build_prompts
 from toolkit.engine.generate import generate
 from toolkit.engine.sampling import SamplingParams
 from toolkit.engine.setup import load_engine_model
@@ -12,7 +13,9 @@ from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
 from toolkit.kv import KVSpec
 from toolkit.results import write_result
+from toolkit.spec.build import build_draft, draft_length
 from toolkit.spec.config import SpecConfig
+from toolkit.spec.decode import speculative_generate
 from toolkit.timing import process_peak_rss_mb
 
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
@@ -20,7 +23,6 @@ console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 def prompt_texts(cfg, tokenizer) -> list[str]:
     if cfg.prompts:
-        from toolkit.data import build_prompts
 
         return [p.text for p in build_prompts(cfg.prompts, tokenizer, cfg.prompt_tokens, cfg.n_prompts)]
     if cfg.prompt is None or not str(cfg.prompt).strip():
@@ -52,8 +54,6 @@ def run(cfg) -> dict:
         sys.stdout.write(texts[0] if not cfg.chat else "")
     spec = SpecConfig.of(cfg.get("spec"))  # resolved once, here
     if spec.kind != "none":  # speculative decoding (toolkit/spec): same outputs, fewer passes
-        from toolkit.spec.build import build_draft, draft_length
-        from toolkit.spec.decode import speculative_generate
 
         draft = build_draft(spec, loaded.model, loaded.tokenizer, sampling, engine)
         result = speculative_generate(loaded.model, loaded.tokenizer, texts, cfg.new_tokens, draft, draft_length(spec),

@@ -5,7 +5,16 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from toolkit import paths
 from toolkit.errors import SpecquantError
+from toolkit.models import (
+    DEFAULT_MODEL,
+    fetch,
+    get_spec,
+    is_cached,
+    list_models,
+    verify,
+)
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -20,8 +29,6 @@ def _size(n: int | None) -> str:
 
 
 def show_list() -> None:
-    from toolkit import paths
-    from toolkit.models import DEFAULT_MODEL, list_models
 
     table = Table(title=f"models (cache: {paths.models_dir()})")
     for column in ("name", "params", "cached", "size on disk", "description"):
@@ -36,7 +43,6 @@ def show_list() -> None:
 
 
 def run(cfg) -> None:
-    from toolkit.models import fetch, get_spec, verify
 
     name = cfg.model.name
     if cfg.action == "list":
@@ -46,8 +52,6 @@ def run(cfg) -> None:
         path = fetch(name, force=cfg.force)
         console.print(f"{name}: cached at {path}")
     elif cfg.action == "verify":
-        from toolkit import paths
-        from toolkit.models import is_cached
 
         if not is_cached(name):
             raise SpecquantError(f"{name} is not cached", f"specquant models fetch {name}")

@@ -9,6 +9,11 @@ from rich.console import Console
 
 from toolkit import paths
 from toolkit.errors import InputError, SpecquantError
+from toolkit.models import load_model
+from toolkit.quant.calibrate import make_quantized_state_dict
+from toolkit.quant.checkpoint import TENSORS, save_quantized
+from toolkit.quant.model_quant import QuantRecipe
+from toolkit.quant.offload import load_offloaded
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -64,11 +69,6 @@ def run(cfg) -> Path:
     import torch
     from rich.table import Table
 
-    from toolkit.models import load_model
-    from toolkit.quant.calibrate import make_quantized_state_dict
-    from toolkit.quant.checkpoint import TENSORS, save_quantized
-    from toolkit.quant.model_quant import QuantRecipe
-
     q = cfg.quantize
     try:
         recipe = QuantRecipe(**OmegaConf.to_container(q, resolve=True))
@@ -78,7 +78,6 @@ def run(cfg) -> Path:
     if out.exists() and not cfg.force:
         raise SpecquantError(f"{out} already exists", "pass force=true to replace it, or choose another output=")
     if cfg.get("offload"):  # larger than RAM: accelerate keeps what does not fit in max_memory on disk
-        from toolkit.quant.offload import load_offloaded
 
         loaded = load_offloaded(cfg.model.name, cfg.offload, cfg.get("max_memory"))
     else:

@@ -12,6 +12,7 @@ from toolkit.report.html import render_html
 from toolkit.report.markdown import render_markdown
 from toolkit.report.pareto import plot_pareto, plottable
 from toolkit.report.rows import build_rows, peer_notes
+from toolkit.report.screenshot import screenshot
 from toolkit.report.store import read_store
 from toolkit.results import default_store
 
@@ -55,7 +56,6 @@ def run(cfg) -> dict:
     if cfg.html:
         written["html"] = _write_text(cfg.html, render_html(rows, png, cfg.title, note))
     if cfg.get("screenshot") and "html" in written:
-        from toolkit.report.screenshot import screenshot
 
         written["screenshot"] = screenshot(written["html"], cfg.screenshot)
     console.print(f"{len(rows)} configurations ({len(plottable(rows))} with quality and speed) from {store}"

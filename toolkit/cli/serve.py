@@ -5,13 +5,13 @@ from rich.console import Console
 from toolkit.engine.setup import load_engine_model
 from toolkit.engine.spec import EngineSpec
 from toolkit.kv import KVSpec
+from toolkit.serve.server import ServeSettings, build_state, serve_forever
+from toolkit.serve.speculation import serve_spec
 
 console = Console(stderr=True)
 
 
 def run(cfg) -> None:
-    from toolkit.serve.server import ServeSettings, build_state, serve_forever
-    from toolkit.serve.speculation import serve_spec
 
     serve_spec(cfg.spec, int(cfg.spec_max_batch))  # a spec the server cannot run is refused before the model loads
     engine, kv = EngineSpec.from_node(cfg.engine), KVSpec.from_node(cfg.kv)  # resolved once, before the model loads

@@ -18,7 +18,12 @@ from functools import partial
 from pathlib import Path
 
 from toolkit.data.documents import paragraphs
-from toolkit.data.local_files import checked_file, jsonl_records, looks_like_path, read_text_file
+from toolkit.data.local_files import (
+    checked_file,
+    jsonl_records,
+    looks_like_path,
+    read_text_file,
+)
 from toolkit.data.sources import load_text
 from toolkit.data.splits import EVALUATION
 from toolkit.errors import DataError, InputError

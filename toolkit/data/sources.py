@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING
 
 from toolkit.data import austen, pydocs
 from toolkit.data.builtin import pydoc_documents, stdlib_documents
-from toolkit.data.cache import cache_dir, cache_problem, is_present, read_cache, write_cache
+from toolkit.data.cache import (
+    cache_dir,
+    cache_problem,
+    is_present,
+    read_cache,
+    write_cache,
+)
 from toolkit.data.debian import DebianPackage, package_root
 from toolkit.data.documents import Document, paragraphs
 from toolkit.data.hub import hub_splits, is_hub_name

@@ -4,8 +4,10 @@ render prints and the CLI writes as JSON. Nothing here is estimated that could b
 import torch
 from omegaconf import OmegaConf
 
+from toolkit.data import build_prompts
 from toolkit.diagnose import whatifs as wi
 from toolkit.diagnose.kv_pressure import default_budget, kv_pressure, sequence_kv_bytes
+from toolkit.diagnose.prefix_cache import BLOCK_SIZE
 from toolkit.diagnose.quality import quality_change, quality_slice
 from toolkit.diagnose.recommend import rank, recommend
 from toolkit.diagnose.roofline import measure_peaks, roofline
@@ -19,10 +21,10 @@ from toolkit.errors import InputError
 from toolkit.evaluation.generation import token_agreement
 from toolkit.kv import KVSpec
 from toolkit.model_state import peek
+from toolkit.spec.build import build_draft
 
 
 def workload_texts(cfg, tokenizer) -> list[str]:
-    from toolkit.data import build_prompts
 
     source = cfg.get("prompt_file") or cfg.get("prompts")
     if not source:
@@ -45,7 +47,6 @@ def cache_bytes_per_token(model, kv: KVSpec, context: int, dtype: torch.dtype) -
 def prefix_reuse(options, names: list[str], workload: dict, notes: list[str]) -> dict | None:
     """What the prefix-cache what-if found in the cache, set against the repeated-prefix share of section 1 (only
     whole blocks are reused, and a prompt's last token always runs); None when it was not measured."""
-    from toolkit.diagnose.prefix_cache import BLOCK_SIZE
 
     option = next((o for o in options if o.prefix is not None), None)
     if option is None:
@@ -76,7 +77,6 @@ def diagnose(cfg, loaded, engine: EngineSpec, kv: KVSpec, progress=None) -> dict
     # sections 2-3: the workload as the user runs it (its own kv= and spec=)
     baseline = wi.Option("baseline", "none", model, kv, spec_cfg)
     if spec_cfg is not None:
-        from toolkit.spec.build import build_draft
 
         baseline.draft = build_draft(spec_cfg, model, tokenizer, engine=engine)
     wi.measure([baseline], tokenizer, encoded, new_tokens, warmup=cfg.warmup, progress=progress)

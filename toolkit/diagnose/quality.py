@@ -9,15 +9,15 @@ the measured token agreement with the baseline as the check. bf16 prompt passes 
 
 import contextlib
 
+from toolkit.data import load_text
 from toolkit.engine.precision import bf16_prefill
 from toolkit.evaluation.perplexity import score_windows
+from toolkit.evaluation.windows import make_windows
 
 LOSSLESS = {"spec": "greedy speculative decoding", "prefix": "prefix cache: reused keys/values are the prompt's own"}
 
 
 def quality_slice(tokenizer, data: str, window: int, windows: int):
-    from toolkit.data import load_text
-    from toolkit.evaluation.windows import make_windows
 
     texts = load_text(data)["text"]
     ids, _ = make_windows(tokenizer, list(texts), window=window, max_windows=windows, data=data)

@@ -13,10 +13,11 @@ embeddings and activations are left out: they are small beside these on every mo
 import torch
 
 from toolkit.engine.costs import weight_bytes_per_token
+from toolkit.machine import measure_matmul_flops, measure_memory_bandwidth
+from toolkit.quant.qlinear import QuantLinear
 
 
 def _linear_shapes(model) -> dict[str, tuple[int, int]]:
-    from toolkit.quant.qlinear import QuantLinear
 
     return {name: (m.in_features, m.out_features) for name, m in model.named_modules()
             if isinstance(m, (torch.nn.Linear, QuantLinear))}
@@ -93,7 +94,6 @@ def roofline(model, kv_bytes_per_token: float, prompt_tokens: float, new_tokens:
 
 def measure_peaks(quick: bool = True) -> tuple[float, float]:
     """(matmul FLOP/s in the engine's activation dtype fp32, read bandwidth bytes/s), briefly."""
-    from toolkit.machine import measure_matmul_flops, measure_memory_bandwidth
 
     return (measure_matmul_flops(n=1024, repeats=3 if quick else 5),
             measure_memory_bandwidth(gib=0.25 if quick else 0.5, repeats=3 if quick else 5))

@@ -21,12 +21,23 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from toolkit.diagnose.prefix_cache import PrefixCacheRun
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import cpu_has_native_bf16, prefill_runs_bf16
+from toolkit.engine.setup import load_engine_model, prepare_engine_model
 from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
 from toolkit.kv import KVSpec, kv_spec
+from toolkit.models import load_model
 from toolkit.paths import RECIPES_DIR, quantize_option
+from toolkit.quant.model_quant import (
+    QuantRecipe,
+    quantize_model,
+    swap_quantized_modules,
+)
+from toolkit.quant.qlinear import QuantLinear
+from toolkit.spec.build import build_draft, draft_length
+from toolkit.spec.decode import speculative_generate
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 ALL = ("w8", "w4", "kv-int8", "kv-int4", "lookup", "self", "compile", "prefix-cache", "bf16-prefill")
@@ -87,7 +98,6 @@ def choose(requested, dominant: str, kv_share_of_decode: float, repeated_prefix_
 def weight_recipe(option: str, model_name: str):
     """(QuantRecipe, how to apply it on the command line) for w8/w4: the model's own recipe file when recipes/ has
     one, else the generic conf/quantize/ recipe."""
-    from toolkit.quant.model_quant import QuantRecipe
 
     recipe_name, generic, overrides = _WEIGHT_RECIPES[option]
     own = RECIPES_DIR / str(model_name) / f"{recipe_name}.yaml"
@@ -105,10 +115,6 @@ def weight_recipe(option: str, model_name: str):
 def quantized_copy(model_name: str, recipe, engine: EngineSpec):
     """A fresh copy of the model with its Linear weights quantized by `recipe` (RTN: seconds), prepared for the
     engine exactly as a checkpoint written by `specquant quantize` and loaded with model=DIR would be."""
-    from toolkit.engine.setup import prepare_engine_model
-    from toolkit.models import load_model
-    from toolkit.quant.model_quant import quantize_model, swap_quantized_modules
-    from toolkit.quant.qlinear import QuantLinear
 
     model = load_model(model_name, dtype=torch.float32).model
     qsd = quantize_model(model, recipe, progress=False)
@@ -121,14 +127,12 @@ def compiled_copy(model_name: str, engine: EngineSpec):
     """A fresh copy of the model (a checkpoint directory too) prepared as the engine would with engine.compile=true:
     torch's kernels (fbgemm's packed op is opaque to the compiler and breaks the graph) and a compiled decode
     forward. A copy, because compiling attaches the compiled forward to the model the baseline also runs."""
-    from toolkit.engine.setup import load_engine_model
 
     return load_engine_model(model_name, engine.replace(gemm="torch", compile=True)).model
 
 
 def bf16_prefill_copy(model_name: str, engine: EngineSpec) -> tuple[torch.nn.Module | None, str]:
     """(a fresh copy of the model prepared with engine.prefill_dtype=bf16, "") or (None, why it does not apply)."""
-    from toolkit.engine.setup import load_engine_model
 
     try:
         loaded = load_engine_model(model_name, engine.replace(prefill_dtype="bf16"))
@@ -144,7 +148,6 @@ def build_options(names: list[str], base, model_name: str, engine: EngineSpec, k
                   tokenizer, quantized_input: bool) -> tuple[list[Option], list[str]]:
     """The baseline (the user's own settings: `engine`, `kv` (None: fp) and `spec_cfg`) and each named option;
     returns them and notes on options skipped."""
-    from toolkit.spec.build import build_draft
 
     kv = kv_spec(kv)
     notes = []
@@ -182,7 +185,6 @@ def build_options(names: list[str], base, model_name: str, engine: EngineSpec, k
                 continue
             options.append(Option(name, knob, copy, kv, spec_cfg, apply="engine.prefill_dtype=bf16"))
         elif knob == "prefix":
-            from toolkit.diagnose.prefix_cache import PrefixCacheRun
 
             # one knob at a time: against a baseline that already changes the cache or the decoding loop, the
             # paged run would differ in two knobs and its tokens would not be the baseline's by construction
@@ -208,8 +210,6 @@ def run_once(option: Option, tokenizer, ids: list[int], new_tokens: int):
     if option.prefix is not None:
         return option.prefix.run(ids, new_tokens)
     if option.draft is not None:
-        from toolkit.spec.build import draft_length
-        from toolkit.spec.decode import speculative_generate
 
         out = speculative_generate(option.model, tokenizer, [ids], new_tokens, option.draft,
                                    draft_length(option.spec), stop_tokens=set(), kv=option.kv)

@@ -3,12 +3,13 @@ to. Their sum over the measured bandwidth is the decode floor that bench and the
 
 import torch
 
+from toolkit.quant.qlinear import weight_bytes
+
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights a decode step reads: every parameter and quantized layer once, except the input embedding
     table, of which a step reads one row (when it is tied to the output head, the head reads it in full, counted
     once)."""
-    from toolkit.quant.qlinear import weight_bytes
 
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()

@@ -16,6 +16,7 @@ from toolkit.engine.lean_forward import one_token_forward
 from toolkit.engine.precision import bf16_prefill, exact_linears, overflowed
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.errors import InputError
+from toolkit.kv import make_kv_cache
 from toolkit.kv.config import KVSpec
 from toolkit.model_state import peek
 from toolkit.timing import GenerationTiming, Stopwatch
@@ -196,7 +197,6 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
              on_token: TokenCallback | None = None, kv: KVSpec | None = None) -> GenerationResult:
     """Generate up to `new_tokens` tokens for each prompt (text or token ids), timing prefill and every decode step.
     `kv`: the KV cache (a KVSpec, `KVSpec.from_node` of the kv group; None for full precision; see toolkit.kv)."""
-    from toolkit.kv import make_kv_cache
 
     encoded = encode_prompts(tokenizer, prompts)
     validate_request(model, [len(ids) for ids in encoded], new_tokens)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 
 from toolkit import cpu
+from toolkit.engine.lean_forward import LeanForward
 from toolkit.engine.precision import HalfStorageLinear
+from toolkit.quant.qlinear import QuantLinear
 
 
 def _linear(module) -> str:
     """The kernel a Linear-like module's products run on when the native stack does not."""
-    from toolkit.quant.qlinear import QuantLinear
 
     if isinstance(module, QuantLinear):
         return f"{module.bits}-bit {module.kernel}"
@@ -27,7 +28,6 @@ def _linear(module) -> str:
 
 def kernel_paths(model) -> dict:
     """{isa, decoder, products: {kernel: count}, head[, why_not_native]} for an engine-prepared model."""
-    from toolkit.engine.lean_forward import LeanForward
 
     out = {"isa": cpu.isa()}
     forward = model.__dict__.get("forward")

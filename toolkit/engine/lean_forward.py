@@ -76,6 +76,7 @@ from toolkit.engine.lean_ops import (
     signed_sin,
 )
 from toolkit.engine.module_swaps import GENERATION
+from toolkit.engine.native_decoder import ACTIVATIONS, DOTS, NativeDecoder
 from toolkit.engine.precision import bf16_prompt_rows, prefill_runs_bf16
 from toolkit.errors import InputError
 
@@ -171,7 +172,6 @@ class LeanForward:
             self._plan = key, [_LayerPlan.of(layer) for layer in list(inner.layers)[:inner.config.num_hidden_layers]]
             self._native, self.native_reason = None, "engine.forward=lean"
             if self.native:
-                from toolkit.engine.native_decoder import NativeDecoder
 
                 self._native, self.native_reason = NativeDecoder.of(self.model, self._plan[1],
                                                                     self.native_activations, self.native_dot)
@@ -179,7 +179,6 @@ class LeanForward:
 
     def use_activations(self, activations: str) -> None:
         """The native decoder's activations from now on: "fp32" (exact) or "int8" (the w4a8 kernel, for drafts)."""
-        from toolkit.engine.native_decoder import ACTIVATIONS
 
         if activations not in ACTIVATIONS:
             raise ValueError(f"native decoder activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -189,7 +188,6 @@ class LeanForward:
     def use_dot(self, dot: str) -> None:
         """A float model's native products from now on: "fp32" (fp16 weights x fp32 activations, the engine's
         default) or "bf16" (weights and activations rounded to bf16, fp32 sums: `toolkit.quant.bf16_native`)."""
-        from toolkit.engine.native_decoder import DOTS
 
         if dot not in DOTS:
             raise ValueError(f"native decoder products must be one of {DOTS}, got {dot!r}")

@@ -51,7 +51,11 @@ import torch
 import torch.nn.functional as F
 
 from toolkit import cbuild, cpu
-from toolkit.quant import bf16_native, half_native, int4_native, int8_native, vnni
+from toolkit.engine.fused_packs import FusedPack, Int4N8Pack, Int8Pack, on_int8_gemm
+from toolkit.engine.precision import HalfStorageLinear
+from toolkit.kv.contiguous import ContiguousKVLayer
+from toolkit.quant import bf16_native, half_native, int4_native, vnni
+from toolkit.quant.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +65,8 @@ ACTIVATIONS = ("fp32", "int8")
 DOTS = ("fp32", "bf16")  # a float model's products: fp16 weights x fp32 (h16), or bf16 x bf16 summed in fp32 (b16)
 
 
-N8, W4A8, H16, I8, B16 = 0, 1, 2, 3, 4  # a product's kind (`_Q4.kind`), as decoder_layers.c dispatches it
+N8, W4A8, H16, I8, B16, W8A8 = 0, 1, 2, 3, 4, 5  # a product's kind (`_Q4.kind`), as decoder_layers.c dispatches it
+INT8_ACTIVATIONS = (W4A8, W8A8)  # the kinds whose activations are rounded to int8 (vnni_gemm.c)
 # per `DOTS` setting, a float model's products: their kernel module, the attribute a layer keeps its pack in, the kind
 _HALF = {"fp32": (half_native, "specquant_h16", H16), "bf16": (bf16_native, "specquant_b16", B16)}
 
@@ -182,8 +187,6 @@ def _half_pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], o
 def _half_product(pack, modules: list, owner, keep: list, dot: str = "fp32") -> _Q4 | None:
     """An fp16 product (engine precision fp16 weights, fp32 activations: fbgemm's fused pack or an fp16-stored
     Linear on it) as an h16 product (`dot="bf16"`: a b16 product), or None."""
-    from toolkit.engine.fused_packs import FusedPack
-    from toolkit.engine.precision import HalfStorageLinear
 
     if pack is not None and type(pack) is not FusedPack:
         return None
@@ -219,9 +222,32 @@ def _v16(codes, scale, zero, group: int) -> tuple | None:
     return v16
 
 
+W8A8_GROUP = 32
+"""An int8 checkpoint's activations at engine.native_dot=int8 are rounded to int8 per this many columns (its weights
+are per channel, so the weight's scale repeats over the groups): llama.cpp's Q8_0 block."""
+
+
+def _v16_int8(key: torch.Tensor, rows, scale: torch.Tensor) -> tuple | None:
+    """The 8-bit v16 pack of int8 per-channel codes (`rows()`: [n, k] int8) and their scales, made once per `key`
+    (the h16 pack they come from), or None where the w8a8 kernel cannot run them (no AVX512-VNNI, or the layout)."""
+    if not vnni.available(bits=8):
+        return None
+    hit = _V16.get(id(key))
+    if hit is not None and hit[0]() is key and hit[1] == -W8A8_GROUP:
+        return hit[2]
+    codes = rows()
+    n, k = codes.shape
+    if k % W8A8_GROUP or not vnni.supports(n, k, W8A8_GROUP):
+        return None
+    groups = k // W8A8_GROUP
+    v16 = vnni.pack((codes.to(torch.int16) + 128).to(torch.uint8), scale.float().reshape(n, 1).expand(n, groups),
+                    torch.full((n, groups), 128, dtype=torch.uint8), W8A8_GROUP, bits=8)
+    _V16[id(key)] = (weakref.ref(key), -W8A8_GROUP, v16)  # the group negated: not an int4 pack's entry
+    return v16
+
+
 def _single(layer) -> tuple | None:
     """(codes, scale, zero, bias, group) of an "int4n8" QuantLinear run by the kernel, else None."""
-    from toolkit.quant.qlinear import QuantLinear
 
     if type(layer) is not QuantLinear or layer.kernel != "int4n8" or hasattr(layer, "g_idx"):
         return None
@@ -231,7 +257,6 @@ def _single(layer) -> tuple | None:
 
 def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None:
     """A layer's (q,k,v, o, gate,up, down) structs where all four are int4 on specquant's kernel, else None."""
-    from toolkit.engine.fused_packs import Int4N8Pack
 
     qkv, gate_up, o, down = plan.qkv, plan.gate_up, _single(plan.o), _single(plan.down)
     if not (type(qkv) is Int4N8Pack and type(gate_up) is Int4N8Pack and o and down):
@@ -245,25 +270,36 @@ def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None
 
 
 def _int8_single(layer) -> tuple | None:
-    """(packed codes, scale, bias, in_perm) of an int8 QuantLinear on specquant's int8 GEMM, else None."""
-    from toolkit.engine.fused_packs import on_int8_gemm
+    """(packed codes, scale, bias, in_perm, [n, k] codes) of an int8 QuantLinear on specquant's int8 GEMM, else
+    None."""
 
-    return (layer.weight_int8_h16, layer.scale, layer.bias, layer.in_perm) if on_int8_gemm(layer) else None
+    if not on_int8_gemm(layer):
+        return None
+    return layer.weight_int8_h16, layer.scale, layer.bias, layer.in_perm, layer.int8_rows
 
 
-def _int8_products(plan, keep: list) -> tuple[_Q4, ...] | None:
+def _int8_products(plan, keep: list, activations: str = "fp32") -> tuple[_Q4, ...] | None:
     """A layer's structs where all four products are int8 on specquant's int8 GEMM (fused `Int8Pack`s for q,k,v and
-    gate,up), else None. A draft's int8 activations do not apply (`ACTIVATIONS`): the products stay fp32."""
-    from toolkit.engine.fused_packs import Int8Pack
+    gate,up), else None. `activations="int8"` (engine.native_dot=int8): each product on the w8a8 kernel where it
+    runs (`_v16_int8`), else on the exact one."""
 
     qkv, gate_up, o, down = plan.qkv, plan.gate_up, _int8_single(plan.o), _int8_single(plan.down)
     if not (type(qkv) is Int8Pack and type(gate_up) is Int8Pack and o and down):
         return None
+    fused = [(m, [plan.q, plan.k, plan.v] if m is qkv else [plan.gate, plan.up]) for m in (qkv, gate_up)]
+    rows = {id(m): (lambda layers=layers: torch.cat([layer.int8_rows() for layer in layers])) for m, layers in fused}
     products = []
-    for weight, scale, bias, in_perm in ((qkv.weight, qkv.scale, qkv.bias, qkv.in_perm), o,
-                                         (gate_up.weight, gate_up.scale, gate_up.bias, gate_up.in_perm), down):
+    for weight, scale, bias, in_perm, codes in ((qkv.weight, qkv.scale, qkv.bias, qkv.in_perm, rows[id(qkv)]), o,
+                                                (gate_up.weight, gate_up.scale, gate_up.bias, gate_up.in_perm,
+                                                 rows[id(gate_up)]), down):
         keep += [t for t in (weight, scale, bias) if t is not None]
         n = scale.numel()  # the codes are a flat h16 pack of [n, k]
+        v16 = _v16_int8(weight, codes, scale) if activations == "int8" else None
+        if v16 is not None:
+            keep.extend(v16)
+            products.append(_Q4(*(t.data_ptr() for t in v16), _ptr(bias), n, weight.numel() // n, W8A8_GROUP, W8A8,
+                                _perm_ptr(in_perm, keep)))
+            continue
         products.append(_Q4(weight.data_ptr(), scale.data_ptr(), None, _ptr(bias), n, weight.numel() // n, 0, I8,
                             _perm_ptr(in_perm, keep)))
     return tuple(products)
@@ -287,7 +323,6 @@ def _head_pack(model, dot: str = "fp32") -> tuple | None:
     stack (as fast as fbgemm at a row, faster at a verify pass's few: SmolLM2's 49152 x 576 head 1639 against
     1997 us at 5 rows, `python benchmarks/kernel_gemms.py half`), or None: the head runs itself. `dot="bf16"`: its b16
     pack (the stack's products and the head round alike)."""
-    from toolkit.engine.precision import HalfStorageLinear
 
     head = model.get_output_embeddings()
     if type(head) is not HalfStorageLinear or getattr(head, "fbgemm_fp16", None) is None:
@@ -315,7 +350,8 @@ class NativeDecoder:
         self.n_layers = n_layers
         kinds = [q.kind for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.kinds = kinds
-        self.w4a8 = kinds.count(W4A8)  # products on the w4a8 kernel (`of(..., activations="int8")`)
+        # products with int8 activations: int4 or int8 weights on vnni_gemm.c (`of(..., activations="int8")`)
+        self.w4a8 = sum(kinds.count(kind) for kind in INT8_ACTIVATIONS)
         self.half = kinds.count(H16) + kinds.count(B16)  # a float model's fp16 products (h16 or b16 kernel)
         # the fp32 int4 GEMM loses to dequantize + F.linear from the packs' max_rows on; the w4a8 kernel (integer
         # dot products, 4x fp32's multiply-adds per instruction) wins at any row count, so a stack made only of
@@ -347,7 +383,7 @@ class NativeDecoder:
                 return None, "no fused q,k,v / gate,up packs (engine.gemm=torch, or a swapped layer)"
             if len(qkv.sizes) != 3 or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1]:
                 return None, "unexpected fused pack shapes"
-            products = (_int4_products(plan, keep, activations) or _int8_products(plan, keep)
+            products = (_int4_products(plan, keep, activations) or _int8_products(plan, keep, activations)
                         or _half_products(plan, keep, dot))
             if products is None:
                 if dot == "bf16":
@@ -381,7 +417,8 @@ class NativeDecoder:
         level = cpu.isa()
         amx = " on AMX tiles" if bf16_native.amx_in_use() else ""
         names = {N8: "int4 x fp32 (int4_gemm.c)", W4A8: f"int4 x int8 {vnni.isa_name()} (vnni_gemm.c)",
-                 H16: "fp16 x fp32 (half_gemm.c)", I8: "int8 x fp32 (int8_gemm.c)", B16: f"bf16 dot{amx} (bf16_gemm.c)"}
+                 H16: "fp16 x fp32 (half_gemm.c)", I8: "int8 x fp32 (int8_gemm.c)", B16: f"bf16 dot{amx} (bf16_gemm.c)",
+                 W8A8: f"int8 x int8 {vnni.isa_name()} (vnni_gemm.c)"}
         products: dict[str, int] = {}
         for kind in self.kinds:
             products[f"{names[kind]}, {level}"] = products.get(f"{names[kind]}, {level}", 0) + 1
@@ -393,7 +430,6 @@ class NativeDecoder:
 
     def applies(self, hidden: torch.Tensor, attention_mask, cache) -> bool:
         """Whether this call can run natively (see the module docstring); cheap checks only."""
-        from toolkit.kv.contiguous import ContiguousKVLayer
 
         batch, rows = hidden.shape[0], hidden.shape[1]
         if batch != 1 or rows >= self.max_rows or hidden.dtype != torch.float32 or cache is None:
@@ -424,7 +460,6 @@ class NativeDecoder:
     def _addresses(self, cache, layers) -> tuple:
         """The layers' key and value buffer addresses as C arrays, remade only when some buffer was (re)made
         (`ContiguousKVLayer.buffer_epoch`) or another cache comes: a draft step otherwise spends ~0.05 ms on them."""
-        from toolkit.kv.contiguous import ContiguousKVLayer
 
         # the first and last buffers' addresses too: a later cache at a freed one's id, holding layers made before
         # the arrays were, cannot pass for it

@@ -38,6 +38,7 @@ from toolkit.passes import (  # noqa: F401 (re-exported: the engine's names for 
     bf16_prompt_rows,
     exact_linears,
 )
+from toolkit.quant import bf16_native
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -93,9 +94,6 @@ def runs_int8_activations(model) -> bool:
 
 
 def _on_amx() -> bool:
-    from toolkit.quant import (
-        bf16_native,  # only for a bf16 setting, which has loaded the kernel already
-    )
 
     return bf16_native.amx_in_use()
 

@@ -7,11 +7,28 @@ from pathlib import Path
 
 import torch
 
+from toolkit.engine.lean_forward import LeanForward
 from toolkit.engine.lean_forward import install as install_forward
 from toolkit.engine.precision import Precision, prepare_model, resolve_precision
 from toolkit.engine.spec import ENGINE_DOTS, LOWBIT_KERNELS, EngineSpec
 from toolkit.errors import InputError, ModelError
 from toolkit.model_state import state_of
+from toolkit.models import load_model
+from toolkit.models.load import LoadedModel
+from toolkit.quant.checkpoint import (
+    is_quantized_checkpoint,
+    load_quantized,
+    peer_record,
+    read_manifest,
+)
+from toolkit.quant.formats import (
+    detect_format,
+    export_source,
+    import_checkpoint,
+    is_quantized_model,
+)
+from toolkit.quant.model_quant import swap_quantized_modules
+from toolkit.quant.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +60,6 @@ def choose_lowbit_kernels(choice: str) -> None:
     """Which GEMMs the low-bit QuantLinear layers built from now on run (a quantized checkpoint's, the self-draft's):
     auto / specquant = specquant's AVX2 int4 and int8 GEMMs where they build (toolkit/quant/int4_native.py,
     int8_native.py; fp32 activations), torch = torch's int4 / int8 CPU kernels (bf16 activations)."""
-    from toolkit.quant.qlinear import QuantLinear
 
     if choice not in LOWBIT_KERNELS:
         raise InputError(f"engine.lowbit_kernel={choice!r} is not one of {', '.join(LOWBIT_KERNELS)}",
@@ -67,8 +83,6 @@ def default_engine_config(**overrides) -> EngineSpec:
 def load_engine_model(name: str, engine: EngineSpec):
     """Load `name` (registry name, directory, hub id) and prepare it for the engine; returns a LoadedModel whose
     `precision` says what it runs in."""
-    from toolkit.models import load_model
-    from toolkit.quant.formats import is_quantized_model
 
     configure_engine(engine)
     loaded = load_quantized_model(name) if is_quantized_model(name) else load_model(name, dtype=torch.float32)
@@ -82,17 +96,6 @@ def load_quantized_model(path):
     low-bit kernels); the remaining float parameters are fp32 until prepared."""
     import time
     from pathlib import Path
-
-    from toolkit.models.load import LoadedModel
-    from toolkit.quant.checkpoint import (
-        is_quantized_checkpoint,
-        load_quantized,
-        peer_record,
-        read_manifest,
-    )
-    from toolkit.quant.formats import detect_format, export_source, import_checkpoint
-    from toolkit.quant.model_quant import swap_quantized_modules
-    from toolkit.quant.qlinear import QuantLinear
 
     start = time.perf_counter()
     ours = is_quantized_checkpoint(path)
@@ -119,7 +122,6 @@ def use_native_dot(model, dot: str) -> None:
     rounded to int8 per weight group, on integer dot products (`toolkit.quant.vnni`, llama.cpp's q8 activations).
     A model whose stack runs other layers keeps its own kernels and its fp32 setting where that is harmless (a bf16
     setting on a low-bit draft); a model the native stack cannot run at all is an error."""
-    from toolkit.engine.lean_forward import LeanForward
 
     if dot not in ENGINE_DOTS:
         raise InputError(f"unknown engine.native_dot {dot!r}", f"use one of {', '.join(ENGINE_DOTS)}")
@@ -147,12 +149,13 @@ def use_native_dot(model, dot: str) -> None:
 
 
 def _use_int8_activations(forward, native) -> None:
-    """engine.native_dot=int8: every product of the stack on the w4a8 kernel, or an error naming why not."""
+    """engine.native_dot=int8: every product of the stack on int8 activations (int4 checkpoints: the w4a8 kernel;
+    int8 checkpoints: w8a8), or an error naming why not."""
     fix = "use engine.native_dot=fp32 (exact fp32 activations)"
     if native is None:
         raise InputError(f"engine.native_dot=int8 needs the native decoder stack: {forward.native_reason}", fix)
     if native.half:
-        raise InputError("engine.native_dot=int8 applies to int4 checkpoints; this is a float model",
+        raise InputError("engine.native_dot=int8 applies to int4 and int8 checkpoints; this is a float model",
                          f"quantize it first (specquant quantize recipe=.../rtn-w4g64), or {fix}")
     forward.use_activations("int8")
     native = forward.native_decoder()
@@ -160,8 +163,9 @@ def _use_int8_activations(forward, native) -> None:
     if native is None or native.w4a8 != products:
         forward.use_activations("fp32")
         raise InputError("engine.native_dot=int8 cannot run every product of this model with int8 activations "
-                         "(its layers must all be int4, the int8 kernel needs AVX2, and each width a multiple of 16 "
-                         "with a group of a multiple of 8)", fix)
+                         "(its layers must all be int4, on AVX2 or better, or all int8 per channel, on AVX512-VNNI; "
+                         "each width a multiple of 16 with a group of a multiple of 8, an int8 layer's input width "
+                         "a multiple of 32)", fix)
 
 
 def prepare_engine_model(model, engine: EngineSpec) -> Precision:

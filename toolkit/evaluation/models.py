@@ -6,12 +6,16 @@ fp KV cache), it is its own reference (None) and every task runs once."""
 
 import torch
 
+from toolkit.engine.setup import load_engine_model
 from toolkit.engine.spec import EngineSpec
+from toolkit.errors import InputError
+from toolkit.models import load_model
+from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
+from toolkit.quant.formats import export_source, is_foreign_quantized
 
 
 def load_candidate(name: str, engine: EngineSpec | None = None):
     """`name` loaded as the engine runs it with `engine` (None: conf/engine/default.yaml's settings)."""
-    from toolkit.engine.setup import load_engine_model
 
     loaded = load_engine_model(name, engine or EngineSpec())
     loaded.model.eval()
@@ -24,8 +28,6 @@ def load_reference(name: str, loaded, kind: str = "fp", reference: str | None = 
     ``reference`` (a registry name or model directory) names the float model to compare against instead, e.g. for
     a checkpoint another tool made, which does not say what it was quantized from; its tokenizer must be the
     candidate's (the same vocabulary, token for token), else the KL would compare unrelated tokens."""
-    from toolkit.models import load_model
-    from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 
     if reference is not None:
         chosen = load_model(reference, dtype=torch.float32)
@@ -34,12 +36,10 @@ def load_reference(name: str, loaded, kind: str = "fp", reference: str | None = 
     if is_quantized_checkpoint(name):
         source = read_manifest(name)["source"]
         return load_model(source, dtype=torch.float32).model.eval(), f"{source} fp32 (the checkpoint's float source)"
-    from toolkit.quant.formats import export_source, is_foreign_quantized
 
     if is_foreign_quantized(name):  # a GPTQ/AWQ-format directory: its float source, if our export recorded one
         source = export_source(name)
         if source is None:
-            from toolkit.errors import InputError
 
             raise InputError(f"{name} is a GPTQ/AWQ-format checkpoint that does not say which float model it came "
                              "from, so there is no reference to compare against",
@@ -53,7 +53,6 @@ def load_reference(name: str, loaded, kind: str = "fp", reference: str | None = 
 
 
 def _check_same_vocabulary(loaded, chosen, reference: str) -> None:
-    from toolkit.errors import InputError
 
     if loaded.tokenizer.get_vocab() != chosen.tokenizer.get_vocab():
         raise InputError(f"reference={reference} has another tokenizer than {loaded.name} (their vocabularies "

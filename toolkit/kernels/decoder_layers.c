@@ -44,7 +44,8 @@ typedef struct {
     /* 0: an n8 pack, fp32 activations (int4_gemm.c); 1: a v16 pack, int8 activations (vnni_gemm.c);
      * 2: an h16 pack of fp16 weights in `codes` (half_gemm.c; scale, zero and g unused), fp32 activations;
      * 3: int8 per-channel codes in the h16 order in `codes` and fp32 scales [n] (int8_gemm.c; zero and g unused);
-     * 4: a b16 pack of bf16 weights in `codes` (bf16_gemm.c; scale, zero and g unused), activations rounded to bf16 */
+     * 4: a b16 pack of bf16 weights in `codes` (bf16_gemm.c; scale, zero and g unused), activations rounded to bf16;
+     * 5: a v16 pack of 8-bit codes, int8 activations (vnni_gemm.c's w8a8: an int8 checkpoint at native_dot=int8) */
     int64_t kind;
     /* NULL, or an act-order product's column order (QuantLinear.in_perm): column j reads input channel perm[j] */
     const int32_t *perm;
@@ -113,6 +114,7 @@ static int q4_ordered(const sq_q4 *w, const float *x, int64_t M, float *y) {
     if (w->kind == 4) return sq_b16_linear(x, M, w->k, (const uint16_t *)w->codes, w->bias, w->n, y);
     if (w->kind == 3) return sq_int8_linear(x, M, w->k, (const int8_t *)w->codes, w->scale, w->bias, w->n, y);
     if (w->kind == 2) return sq_f16_linear(x, M, w->k, (const uint16_t *)w->codes, w->bias, w->n, y);
+    if (w->kind == 5) return sq_w8a8_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
     if (w->kind == 1) return sq_w4a8_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
     return sq_int4_linear(x, M, w->k, w->codes, w->scale, w->zero, w->bias, w->n, w->g, y);
 }

@@ -43,7 +43,15 @@ from toolkit.errors import InputError
 from toolkit.kv import native
 from toolkit.kv.config import VALUE_FLUSH, KVQuantConfig
 from toolkit.kv.contiguous import CountedKVLayer, LayeredKVCache
-from toolkit.kv.quantize import CLIP_GRID, dequantize_groups, pack, quantize_groups, split_planes, unpack, unpack_into
+from toolkit.kv.quantize import (
+    CLIP_GRID,
+    dequantize_groups,
+    pack,
+    quantize_groups,
+    split_planes,
+    unpack,
+    unpack_into,
+)
 from toolkit.kv.rope import RotaryTable, rope_frequencies, rotary_tables
 
 

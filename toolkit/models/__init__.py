@@ -7,7 +7,14 @@ should not pay seconds of torch import to print a table.
 
 from .cache import cache_info, is_cached, list_models, verify, write_entry
 from .fetch import fetch
-from .registry import DEFAULT_MODEL, REGISTRY, ModelSpec, ResolvedModel, get_spec, resolve
+from .registry import (
+    DEFAULT_MODEL,
+    REGISTRY,
+    ModelSpec,
+    ResolvedModel,
+    get_spec,
+    resolve,
+)
 
 __all__ = [
     "DEFAULT_MODEL",

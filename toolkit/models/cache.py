@@ -13,6 +13,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .. import __version__
 from ..errors import ModelError
 from ..fileio import checksum_files, file_problem, write_json_atomic
 from ..paths import models_dir
@@ -121,8 +122,6 @@ def _dir_size(path: Path) -> int:
 
 
 def _versions() -> dict:
-    from .. import __version__
-
     out = {"specquant": __version__}
     for dist in ("transformers", "torch", "safetensors", "gguf"):
         try:

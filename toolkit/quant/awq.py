@@ -42,7 +42,14 @@ import dataclasses
 import torch
 from torch import nn
 
-from toolkit.quant.primitives import QuantConfig, choose_qparams, dequantize, pad_to_groups, quantize
+from toolkit.quant.gptq import HessianAccumulator
+from toolkit.quant.primitives import (
+    QuantConfig,
+    choose_qparams,
+    dequantize,
+    pad_to_groups,
+    quantize,
+)
 from toolkit.quant.quantized_weight import QuantizedWeight
 from toolkit.quant.rtn import rtn_quantize
 
@@ -493,7 +500,6 @@ class AWQLayerQuantizer:
     def _scaled_hessian(self, linear: nn.Linear, collector: InputCollector):
         """GPTQ's Hessian of what ``linear`` reads after the fold, x / s: H(x) / (s sᵀ); one per collector and s
         (q,k,v share both: one Hessian for the three)."""
-        from toolkit.quant.gptq import HessianAccumulator
 
         s = self._scales.get(id(linear))
         key = (id(collector), id(s))

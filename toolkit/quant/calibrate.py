@@ -34,6 +34,7 @@ from toolkit.quant.layer_quantizers import (
 )
 from toolkit.quant.model_quant import QuantizedStateDict, QuantRecipe, quantize_model
 from toolkit.quant.offload import has_offloaded
+from toolkit.quant.scale_tuning import ScaleTuneOptions, tune_scales
 
 __all__ = ["fold_awq_scales", "make_quantized_state_dict"]
 
@@ -79,7 +80,6 @@ def make_quantized_state_dict(model: nn.Module, tokenizer, recipe: QuantRecipe, 
 def _tune_scales(model: nn.Module, teacher: nn.Module, qsd: QuantizedStateDict, batches: torch.Tensor,
                  recipe: QuantRecipe, device, progress: bool, state_dir) -> QuantizedStateDict:
     """The method's codes and zeros kept, its scales trained to lower KL(teacher || model) on ``batches``."""
-    from toolkit.quant.scale_tuning import ScaleTuneOptions, tune_scales
 
     options = ScaleTuneOptions(epochs=recipe.tune_scales_epochs, lr=recipe.tune_scales_lr,
                                batch=recipe.tune_scales_batch, dtype=calibration_dtype(recipe, device),

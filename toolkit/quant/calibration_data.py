@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from toolkit.data import CALIBRATION, load_text
+
 __all__ = ["calibration_batches"]
 
 
@@ -43,7 +45,6 @@ def calibration_batches(tokenizer, dataset="pydoc", n_samples: int = 128, seq_le
                  if s < n_samples else None for s, name in enumerate(names)]
         return torch.stack([parts[i % n][i // n] for i in range(n_samples)])
     if isinstance(dataset, (str, os.PathLike)):
-        from toolkit.data import CALIBRATION, load_text
 
         texts = load_text(dataset, split=CALIBRATION)["text"]
     elif hasattr(dataset, "column_names"):

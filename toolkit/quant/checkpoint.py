@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from toolkit import __version__
 from toolkit.errors import ModelError
 from toolkit.fileio import checksum_files, file_problem, write_json_atomic
 from toolkit.models.atomic_dir import remove_abandoned_temps, write_dir_atomic
@@ -172,7 +173,6 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
 
 
 def _versions() -> dict:
-    from toolkit import __version__
 
     out = {"specquant": __version__}
     for dist in ("transformers", "torch", "safetensors"):

@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from toolkit.models import load_tokenizer, resolve
+from toolkit.models.load import LoadedModel
+
 
 def is_offloaded(module: nn.Module) -> bool:
     """True when accelerate keeps this module's own tensors off-RAM (on disk) and loads them per forward."""
@@ -55,9 +58,6 @@ def load_offloaded(name_or_path: str | Path, offload_folder: str | Path, max_mem
     import time
 
     from transformers import AutoModelForCausalLM
-
-    from toolkit.models import load_tokenizer, resolve
-    from toolkit.models.load import LoadedModel
 
     resolved = resolve(name_or_path)
     source = str(resolved.path) if resolved.path is not None else resolved.hub_id

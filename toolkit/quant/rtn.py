@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.quant.primitives import QuantConfig, choose_qparams, quantize, search_qparams
+from toolkit.quant.primitives import (
+    QuantConfig,
+    choose_qparams,
+    quantize,
+    search_qparams,
+)
 from toolkit.quant.quantized_weight import QuantizedWeight
 
 

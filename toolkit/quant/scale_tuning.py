@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from toolkit.fileio import save_torch_atomic
+from toolkit.quant.awq import is_norm, norm_kind
 from toolkit.quant.quantized_weight import QuantizedWeight
 
 SAVE_EVERY = 16  # steps between saves of a resumable run's state
@@ -103,7 +104,6 @@ class _RelativeGain(nn.Module):
 
 def _norms(model: nn.Module) -> dict[str, nn.Module]:
     """The model's RMSNorms with a 1-d gain (the decoder's, the final one, Gemma's q/k norms), by module name."""
-    from toolkit.quant.awq import is_norm
 
     return {name: module for name, module in model.named_modules()
             if is_norm(name, module)
@@ -208,7 +208,6 @@ def tune_scales(student: nn.Module, teacher: nn.Module, weights: dict[str, Quant
         parametrize.register_parametrization(student.get_submodule(name), "weight", scaled[name], unsafe=True)
     gains: dict[str, _RelativeGain] = {}
     if options.norms:
-        from toolkit.quant.awq import norm_kind  # (awq holds the norm probes: the fold needs them first)
 
         for name, norm in _norms(student).items():
             gains[name] = _RelativeGain(norm.weight, norm_kind(norm, norm.weight.numel()) == "offset")

@@ -55,7 +55,12 @@ from toolkit.engine.sampling import sample
 from toolkit.kv import KVSpec
 from toolkit.kv.paged import OutOfBlocks
 from toolkit.kv.paged.attention import use_paged_attention
-from toolkit.serve.kv_pool import make_cache, prefill_cost, residual_tokens, staging_blocks
+from toolkit.serve.kv_pool import (
+    make_cache,
+    prefill_cost,
+    residual_tokens,
+    staging_blocks,
+)
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.sequence import Sequence
 from toolkit.serve.speculation import ServeSpec, check_kv, verify_row

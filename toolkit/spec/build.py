@@ -8,11 +8,16 @@
                   checkpoint), loaded under the same engine config as the target
 """
 
+from toolkit.engine.lean_forward import LeanForward
 from toolkit.engine.sampling import SamplingParams
+from toolkit.engine.setup import load_engine_model
 from toolkit.errors import InputError
 from toolkit.spec.config import KINDS, SpecConfig  # noqa: F401 (KINDS: the spec group's kinds)
 from toolkit.spec.decode import DraftLength
+from toolkit.spec.draft_head import quantize_draft_head
+from toolkit.spec.draft_vocab import frequent_tokens
 from toolkit.spec.drafts import LookupDraft, ModelDraft
+from toolkit.spec.self_draft import build_self_draft, describe
 
 
 def spec_kind(spec_cfg) -> str:
@@ -41,7 +46,6 @@ def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = N
     common = {"sampling": sampling or SamplingParams(), "target_vocab": _vocab(target), "kv": spec.kv,
               "min_confidence": float(spec.min_confidence or 0.0)}
     if spec.kind == "self":
-        from toolkit.spec.self_draft import build_self_draft
 
         bits = None if spec.bits in (None, 0, 16) else int(spec.bits)
         model = build_self_draft(target, spec.layers, bits, int(spec.group_size))
@@ -51,7 +55,6 @@ def build_draft(spec_cfg, target, tokenizer, sampling: SamplingParams | None = N
     if not spec.model:
         raise InputError("spec=draft needs a draft model", "set spec.model=NAME (a registry name, a directory or a "
                                                            "quantized checkpoint with the target's tokenizer)")
-    from toolkit.engine.setup import load_engine_model
 
     if engine is None:
         raise InputError("spec=draft needs the engine settings to load its model", "pass engine=EngineSpec")
@@ -75,8 +78,6 @@ def _draft_head(spec: SpecConfig, model, tokenizer) -> None:
             raise InputError(f"spec.head_vocab={size} needs the draft's own quantized head",
                              "set spec.head_bits=8 (or 4), or spec.head_vocab=null")
         return
-    from toolkit.spec.draft_head import quantize_draft_head
-    from toolkit.spec.draft_vocab import frequent_tokens
 
     vocab = frequent_tokens(tokenizer, int(size), _vocab(model)) if size else None
     quantize_draft_head(model, int(bits), int(spec.head_group_size), _act_bits(spec), vocab)
@@ -86,7 +87,6 @@ def _draft_activations(spec: SpecConfig, model) -> None:
     """spec.act_bits=8: the draft's native int4 decoder stack (a self-draft's int4 layers, an int4 checkpoint's) runs
     the w4a8 kernel where the CPU has AVX512-VNNI; elsewhere, and for float drafts, nothing changes."""
     if _act_bits(spec) == 8:
-        from toolkit.engine.lean_forward import LeanForward
 
         forward = model.__dict__.get("forward")
         if isinstance(forward, LeanForward):
@@ -102,6 +102,5 @@ def describe_draft(draft) -> str:
         return "none"
     if isinstance(draft, LookupDraft):
         return draft.describe()
-    from toolkit.spec.self_draft import describe
 
     return describe(draft.model) + (", target's KV" if getattr(draft, "share_kv", False) else "")

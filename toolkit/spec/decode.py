@@ -32,6 +32,7 @@ from toolkit.engine.generate import (
 from toolkit.engine.precision import bf16_prefill
 from toolkit.engine.sampling import SamplingParams, sample
 from toolkit.errors import InputError
+from toolkit.kv import kv_spec, make_kv_cache
 from toolkit.kv.config import KVSpec
 from toolkit.model_state import peek
 from toolkit.spec.ragged import RaggedBatch
@@ -118,7 +119,6 @@ def speculative_generate(model, tokenizer, prompts, new_tokens: int, draft, leng
                          kv: KVSpec | None = None, generator: torch.Generator | None = None) -> SpecResult:
     """Generate like `engine.generate.generate` (same arguments, same outputs: greedy output is token-identical
     to it, sampled output has the same distribution), with `draft` proposing tokens the target verifies."""
-    from toolkit.kv import kv_spec, make_kv_cache
 
     sampling = sampling or SamplingParams()
     encoded = encode_prompts(tokenizer, prompts)

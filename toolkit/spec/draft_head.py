@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 
 from toolkit.errors import InputError
+from toolkit.quant import vnni
+from toolkit.quant.primitives import QuantConfig
+from toolkit.quant.qlinear import QuantLinear
+from toolkit.quant.rtn import rtn_quantize
+from toolkit.spec.draft_vocab import SubsetHead
 
 HEAD_BITS = (4, 8)
 
@@ -26,9 +31,6 @@ def quantize_draft_head(model, bits: int, group_size: int, act_bits: int | None 
     `vocab` (sorted token ids, `toolkit.spec.draft_vocab`): the quantized head keeps only those rows, inside a
     `SubsetHead` that also scores the context's other tokens from the float weight; its `vocab_ids` map the
     logits' columns back to tokens."""
-    from toolkit.quant.primitives import QuantConfig
-    from toolkit.quant.qlinear import QuantLinear
-    from toolkit.quant.rtn import rtn_quantize
 
     if bits not in HEAD_BITS:
         raise InputError(f"spec.head_bits must be one of {HEAD_BITS} or null, got {bits}", "use spec.head_bits=4")
@@ -52,14 +54,12 @@ def quantize_draft_head(model, bits: int, group_size: int, act_bits: int | None 
     qw = rtn_quantize(weight.detach().float(), config, None if bias is None else bias.detach().float())
     head = None
     if act_bits == 8 and weight.device.type == "cpu":
-        from toolkit.quant import vnni
 
         if vnni.available(bits) and vnni.supports(weight.shape[0], in_features, group_size):
             head = vnni.VnniLinear.from_quantized(qw, act_group=group_size)
     if head is None:
         head = QuantLinear.from_quantized(qw, weight.device)
     if vocab is not None:
-        from toolkit.spec.draft_vocab import SubsetHead
 
         head = SubsetHead(head, vocab, source, None if bias is None else full_bias.detach())
     model.lm_head = head

@@ -19,6 +19,7 @@ from collections import Counter
 
 import torch
 
+from toolkit.data import CALIBRATION, load_text
 from toolkit.errors import InputError
 
 # enough text for stable counts of the top tens of thousands of tokens, and tokenized in well under a second
@@ -28,7 +29,6 @@ _ROWS_MULTIPLE = 64
 
 
 def _texts(source: str) -> list[str]:
-    from toolkit.data import CALIBRATION, load_text
 
     out, total = [], 0
     for text in load_text(source, split=CALIBRATION)["text"]:

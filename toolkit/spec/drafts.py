@@ -17,7 +17,9 @@ import torch
 
 from toolkit.engine.sampling import SamplingParams, argmax, probabilities
 from toolkit.errors import InputError
-from toolkit.kv import KVSpec, kv_spec
+from toolkit.kv import KVSpec, kv_spec, make_kv_cache
+from toolkit.kv.contiguous import ContiguousKVCache
+from toolkit.kv.quantized_cache import QuantizedKVCache
 from toolkit.model_state import peek
 from toolkit.spec.ragged import RaggedBatch
 
@@ -174,9 +176,6 @@ class ModelDraft:
         self.subset = head if hasattr(head, "vocab_ids") else None
 
     def reset(self, target: RaggedBatch, capacity: int) -> None:
-        from toolkit.kv import make_kv_cache
-        from toolkit.kv.contiguous import ContiguousKVCache
-        from toolkit.kv.quantized_cache import QuantizedKVCache
 
         batch = target.batch
         # in place: a full-precision target cache is the draft's own cache too (see the class docstring)

@@ -22,8 +22,6 @@ from toolkit.engine.lean_forward import one_token_forward
 from toolkit.engine.precision import exact_linears, overflowed
 
 
-
-
 class RaggedBatch:
     """`model`'s view of `batch` sequences over `cache`. `mark` starts a round; `feed` runs new tokens (any number of
     times); `keep` keeps, per row, a prefix of what was fed since the mark and rolls back the rest."""

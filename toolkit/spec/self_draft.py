@@ -20,9 +20,17 @@ import torch
 from torch import nn
 
 from toolkit.engine.fused_packs import strip_fused
+from toolkit.engine.lean_forward import LeanForward
 from toolkit.engine.lean_forward import rebind as rebind_lean_forward
 from toolkit.errors import InputError
 from toolkit.model_state import inherit, peek
+from toolkit.quant.model_quant import (
+    QuantRecipe,
+    quantize_model,
+    swap_quantized_modules,
+)
+from toolkit.quant.qlinear import QuantLinear
+from toolkit.quant.vnni import VnniLinear
 
 
 def _decoder(model) -> nn.Module:
@@ -35,12 +43,6 @@ def _decoder(model) -> nn.Module:
 
 def _quantize_layers(layers: list[nn.Module], bits: int, group_size: int) -> list[nn.Module]:
     """Copies of `layers` with their Linear weights RTN-quantized and swapped for QuantLinear."""
-    from toolkit.quant.model_quant import (
-        QuantRecipe,
-        quantize_model,
-        swap_quantized_modules,
-    )
-    from toolkit.quant.qlinear import QuantLinear
 
     holder = nn.ModuleList([copy.deepcopy(layer) for layer in layers])
     strip_fused(holder)  # the copies' fused fp16 packs (lean forward) would run in place of the quantized layers
@@ -111,9 +113,6 @@ def build_self_draft(target, layers: int | None = None, bits: int | None = 4, gr
 
 
 def describe(draft) -> str:
-    from toolkit.engine.lean_forward import LeanForward
-    from toolkit.quant.qlinear import QuantLinear
-    from toolkit.quant.vnni import VnniLinear
 
     head = draft.get_output_embeddings()  # spec.head_bits: a QuantLinear, or a VnniLinear with spec.act_bits=8
     subset = getattr(head, "ids", None) if hasattr(head, "vocab_ids") else None  # spec.head_vocab: a SubsetHead

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+)
 
 PAGED_ATTENTION = "specquant_paged_sdpa"
 PLAN_KEY = "specquant_paged_plan"  # the kwargs entry carrying the plan from cache.update to the attention call

@@ -24,7 +24,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from toolkit.kv.config import compute_dtype
-from toolkit.kv.paged.attention import PAGED_ATTENTION, PLAN_KEY, Bucket, LayerPlan, bucket_rows
+from toolkit.kv.paged.attention import (
+    PAGED_ATTENTION,
+    PLAN_KEY,
+    Bucket,
+    LayerPlan,
+    bucket_rows,
+)
 from toolkit.kv.paged.pool import ROOT, BlockPool, OutOfBlocks
 from toolkit.kv.paged.storage import FPBlockStorage
 

@@ -44,9 +44,18 @@ from toolkit.errors import InputError
 from toolkit.kv import kv_spec, native
 from toolkit.kv.config import compute_dtype
 from toolkit.kv.memory import model_kv_shape
+from toolkit.kv.paged.cache import PagedKVCache
 from toolkit.kv.paged.pool import OutOfBlocks
 from toolkit.kv.paged.storage import FPBlockStorage
-from toolkit.kv.quantize import ALLOWED_BITS, CLIP_GRID, STORE_DTYPE, dequantize_groups, pack, quantize_groups, unpack
+from toolkit.kv.quantize import (
+    ALLOWED_BITS,
+    CLIP_GRID,
+    STORE_DTYPE,
+    dequantize_groups,
+    pack,
+    quantize_groups,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +434,6 @@ def paged_storage_for(model, kv, num_blocks: int, block_size: int = 16, staging_
 def paged_cache_for(model, kv, num_blocks: int, block_size: int = 16, prefix_cache: bool = True,
                     **storage_options):
     """A `PagedKVCache` on `paged_storage_for`'s storage, attached to its pool (see `QuantizedBlockStorage.attach`)."""
-    from toolkit.kv.paged.cache import PagedKVCache
 
     storage = paged_storage_for(model, kv, num_blocks, block_size, **storage_options)
     cache = PagedKVCache(model, num_blocks, block_size, storage=storage, prefix_cache=prefix_cache)

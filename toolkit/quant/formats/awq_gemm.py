@@ -19,7 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.quant.formats.common import ExportError, ragged_fix, ragged_message, require
+from toolkit.quant.formats.common import (
+    ExportError,
+    ragged_fix,
+    ragged_message,
+    require,
+)
 from toolkit.quant.model_quant import METHODS, QuantizedStateDict, QuantRecipe
 from toolkit.quant.primitives import QuantConfig, gptq_scales
 from toolkit.quant.quantized_weight import QuantizedWeight

@@ -10,6 +10,11 @@ import torch
 from torch import nn
 
 from toolkit.errors import ModelError
+from toolkit.quant.checkpoint import (
+    is_quantized_checkpoint,
+    load_quantized,
+    read_manifest,
+)
 from toolkit.quant.formats import awq_gemm, gptq_v1
 from toolkit.quant.formats.common import (
     ExportError,
@@ -34,7 +39,6 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, force: 
     """Write the specquant checkpoint ``checkpoint`` (checksums verified first) as a ``fmt`` directory ``out``.
 
     Raises ExportError, writing nothing, when the checkpoint does not fit the format (see the package doc)."""
-    from toolkit.quant.checkpoint import load_quantized, read_manifest
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}", f"use format={' or format='.join(FORMATS)}")
@@ -72,7 +76,6 @@ def is_foreign_quantized(path: str | Path) -> bool:
 
 def is_quantized_model(path: str | Path) -> bool:
     """True for a quantized checkpoint the engine loads: ours (`specquant quantize`) or a GPTQ/AWQ directory."""
-    from toolkit.quant.checkpoint import is_quantized_checkpoint
 
     return is_quantized_checkpoint(path) or is_foreign_quantized(path)
 

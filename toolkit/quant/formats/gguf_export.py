@@ -36,7 +36,16 @@ import numpy as np
 import torch
 
 from toolkit.errors import InputError, ModelError
+from toolkit.models import load_model
+from toolkit.models.cache import SOURCE_GGUF
+from toolkit.paths import models_dir
+from toolkit.quant.checkpoint import (
+    is_quantized_checkpoint,
+    load_quantized,
+    read_manifest,
+)
 from toolkit.quant.formats.common import ExportError
+from toolkit.quant.formats.convert import is_foreign_quantized
 
 TYPES = ("auto", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 BLOCK = 32
@@ -94,8 +103,6 @@ class GGUFExport:
 
 def template_gguf(model: str | Path) -> Path | None:
     """The GGUF a registry model (by name, or its cache directory) was converted from, or None."""
-    from toolkit.models.cache import SOURCE_GGUF
-    from toolkit.paths import models_dir
 
     text = str(model)
     candidates = [Path(text).expanduser() / SOURCE_GGUF]
@@ -106,11 +113,6 @@ def template_gguf(model: str | Path) -> Path | None:
 
 def _load(model: str | Path):
     """``(float model, qsd or None, tokenizer, template GGUF or None, source label)``."""
-    from toolkit.quant.checkpoint import (
-        is_quantized_checkpoint,
-        load_quantized,
-        read_manifest,
-    )
 
     path = Path(str(model)).expanduser()
     if is_quantized_checkpoint(path):
@@ -118,12 +120,10 @@ def _load(model: str | Path):
         source = read_manifest(path).get("source")
         template = template_gguf(source) if source else None
         return float_model, qsd, tokenizer, template, str(path.absolute())
-    from toolkit.quant.formats.convert import is_foreign_quantized
 
     if is_foreign_quantized(path):
         raise InputError(f"{model} is a GPTQ/AWQ directory", "export the specquant checkpoint it came from, or "
                                                               "its float model")
-    from toolkit.models import load_model
 
     loaded = load_model(str(model), dtype=torch.float32)
     return loaded.model, None, loaded.tokenizer, template_gguf(model), str(model)

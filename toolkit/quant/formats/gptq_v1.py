@@ -26,7 +26,12 @@ import math
 
 import torch
 
-from toolkit.quant.formats.common import ExportError, ragged_fix, ragged_message, require
+from toolkit.quant.formats.common import (
+    ExportError,
+    ragged_fix,
+    ragged_message,
+    require,
+)
 from toolkit.quant.model_quant import QuantizedStateDict, QuantRecipe
 from toolkit.quant.primitives import QuantConfig, gptq_scales, pack_gptq, unpack_gptq
 from toolkit.quant.quantized_weight import QuantizedWeight
