@@ -13,14 +13,44 @@ def test_the_type_follows_the_engines_weight_bits():
     assert [llamacpp.nearest_type(b) for b in (None, 8, 4, 3)] == ["F16", "Q8_0", "Q4_0", "Q4_0"]
 
 
-def _bench(model: str, baseline: str, tmp_path):
+def _bench(model: str, baseline: str, tmp_path, *more: str):
     from toolkit.cli.bench import run
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("bench", overrides=[f"model.name={model}", f"baseline={baseline}", "prompts=open",
                                           "prompt_tokens=24", "new_tokens=4", "n_prompts=1", "repeats=1",
-                                          "warmup=0", f"out={tmp_path / 'b.json'}", "+store=none"])
+                                          "warmup=0", f"out={tmp_path / 'b.json'}", "+store=none", *more])
     return run(cfg)
+
+
+class _FakeLlamaCpp:
+    """What `llamacpp.peer_for` returns, without llama-cpp-python: fixed tokens, a made-up clock (1 s to the first
+    token, then 0.5 s a token), so the spec bench's llama.cpp figures can be checked exactly."""
+    path, weights = "fake.gguf", "same weights"
+
+    def run(self, ids, new_tokens):
+        from toolkit.timing import GenerationTiming
+
+        return list(range(new_tokens)), GenerationTiming(len(ids), 1, ttft_s=1.0, itl_s=[0.5] * (new_tokens - 1))
+
+    def describe(self):
+        return "llama.cpp F16, same weights"
+
+
+def test_the_spec_bench_times_llama_cpp_plain_decode_beside_speculation(tiny_llama_dir, tmp_path, monkeypatch):
+    """spec=lookup baseline=llamacpp: llama.cpp without speculation runs on the same prompts, interleaved, and the
+    result carries our speculative decode over its plain decode."""
+    monkeypatch.setattr(llamacpp, "unavailable", lambda: None)
+    monkeypatch.setattr(llamacpp, "peer_for", lambda *args: _FakeLlamaCpp())
+    result = _bench(str(tiny_llama_dir), "llamacpp", tmp_path, "spec=lookup")
+    theirs = result["llamacpp"]
+    assert theirs["dtype"] == "llama.cpp F16, same weights" and theirs["ttft_ms"] == 1000
+    assert theirs["decode_tokens_per_s"] == 2.0  # 3 tokens after the first in 1.5 s
+    assert result["speedup_vs_llamacpp"] == result["decode_tokens_per_s"] / 2.0
+    assert result["identical_outputs"] is True and 0 <= result["greedy_token_agreement_vs_llamacpp"] <= 1
+    monkeypatch.setattr(llamacpp, "unavailable", lambda: "llama-cpp-python is not installed (test)")
+    result = _bench(str(tiny_llama_dir), "llamacpp", tmp_path, "spec=lookup")
+    assert result["llamacpp"] == {"unavailable": "llama-cpp-python is not installed (test)"}
 
 
 def test_without_llama_cpp_the_result_says_so_and_the_engine_row_stands(tiny_llama_dir, tmp_path, monkeypatch):
@@ -46,3 +76,12 @@ def test_llama_cpp_runs_beside_the_engine_on_the_same_prompts(smollm2, tmp_path)
     assert peer["dtype"] == "llama.cpp F16, same weights" and peer["weights"] == "same weights"  # our export
     assert peer["new_tokens"] == 4 and peer["decode_tokens_per_s"] > 0
     assert 0 <= result["greedy_token_agreement_vs_llamacpp"] <= 1 and result["speedup_vs_llamacpp"] > 0
+
+
+@pytest.mark.real_model
+def test_llama_cpp_runs_beside_speculation_on_the_same_prompts(smollm2, tmp_path):
+    if llamacpp.unavailable():
+        pytest.skip(llamacpp.unavailable())
+    result = _bench("smollm2-135m", "llamacpp", tmp_path, "spec=lookup", "prompts=grounded", "prompt_tokens=96")
+    assert result["llamacpp"]["weights"] == "same weights" and result["llamacpp"]["decode_tokens_per_s"] > 0
+    assert result["identical_outputs"] is True and result["speedup_vs_llamacpp"] > 0

@@ -27,8 +27,8 @@ from toolkit.bench.baseline import float_source
 from toolkit.errors import InputError, ModelError
 from toolkit.models.cache import SOURCE_GGUF
 from toolkit.paths import home, models_dir
-from toolkit.quant.checkpoint import MANIFEST
-from toolkit.quant.formats import ExportError
+from toolkit.quant.checkpoint import MANIFEST, is_quantized_checkpoint, read_manifest
+from toolkit.quant.formats import ExportError, is_quantized_model
 from toolkit.quant.formats.gguf_export import EXPORT_VERSION, export_gguf
 from toolkit.timing import GenerationTiming, Stopwatch
 
@@ -44,6 +44,13 @@ def unavailable() -> str | None:
         return ('llama-cpp-python is not installed (an optional source build: CMAKE_ARGS="-DGGML_NATIVE=ON" '
                 'pip install -e ".[llamacpp]")')
     return None
+
+
+def checkpoint_bits(model_name: str) -> int | None:
+    """The weight bits of a quantized checkpoint (None: a float model), for llama.cpp's nearest type."""
+    if not is_quantized_model(model_name):
+        return None
+    return int(read_manifest(model_name)["recipe"]["bits"]) if is_quantized_checkpoint(model_name) else 4
 
 
 def nearest_type(bits: int | None) -> str:

@@ -15,6 +15,7 @@ from collections import Counter
 
 import torch
 
+from toolkit.bench import llamacpp
 from toolkit.bench.interleave import interleaved
 from toolkit.bench.peers import (
     TRANSFORMERS_LOOKUP_TOKENS,
@@ -28,6 +29,7 @@ from toolkit.engine.precision import model_precision, prepare_model, resolve_pre
 from toolkit.engine.setup import load_engine_model
 from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
+from toolkit.evaluation.generation import token_agreement
 from toolkit.kv import KVSpec, kv_spec
 from toolkit.machine import machine_facts
 from toolkit.model_state import peek
@@ -53,13 +55,21 @@ def _spec(model, tokenizer, ids, new_tokens, kv, draft, length):
     return out.sequences[0].token_ids, total, out.timing.ttft_s, out.stats
 
 
+def _llamacpp(peer, ids, new_tokens):
+    tokens, timing = peer.run(ids, new_tokens)
+    return tokens, timing.ttft_s + timing.decode_s, timing.ttft_s, None
+
+
 def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[list[int]], new_tokens: int,
-                   repeats: int, warmup: int, kv: KVSpec | None = None) -> dict:
-    """Time `model` alone and with `draft` on token-id prompts, interleaved; figures as the module says."""
+                   repeats: int, warmup: int, kv: KVSpec | None = None, llamacpp=None) -> dict:
+    """Time `model` alone and with `draft` on token-id prompts, interleaved (and llama.cpp's plain decode,
+    `toolkit.bench.llamacpp.LlamaCpp`, where given); figures as the module says."""
     if repeats < 1 or new_tokens < 2:
         raise InputError("bench needs repeats >= 1 and new_tokens >= 2", "raise repeats / new_tokens")
     paths = {"nospec": lambda ids: _nospec(model, tokenizer, ids, new_tokens, kv),
              "spec": lambda ids: _spec(model, tokenizer, ids, new_tokens, kv, draft, length)}
+    if llamacpp is not None:
+        paths["llamacpp"] = lambda ids: _llamacpp(llamacpp, ids, new_tokens)
     totals = {name: [] for name in paths}
     prefills = {name: [] for name in paths}
     outputs = {name: [] for name in paths}
@@ -83,7 +93,7 @@ def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[l
     spec_decode = spec_s - sum(prefills["spec"])
     precision = model_precision(model)
     label = peek(model).quant_label
-    return {
+    figures = {
         "dtype": f"{label} + {precision.name}" if label else precision.name,
         "prompt_tokens": round(statistics.mean(len(p) for p in prompts)),
         "new_tokens": new_tokens,
@@ -108,6 +118,16 @@ def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[l
         "identical_runs": f"{sum(same)}/{len(same)}",
         "first_divergence": [_first_difference(a, b) for a, b in zip(outputs["spec"], outputs["nospec"])],
     }
+    if llamacpp is not None:  # speculation against what a llama.cpp user gets without it, same prompts and threads
+        theirs_decode = sum(totals["llamacpp"]) - sum(prefills["llamacpp"])
+        theirs_tokens = sum(len(t) for t in outputs["llamacpp"])
+        figures["llamacpp"] = {"dtype": llamacpp.describe(), "gguf": str(llamacpp.path), "weights": llamacpp.weights,
+                               "ttft_ms": 1000 * statistics.mean(prefills["llamacpp"]),
+                               "decode_tokens_per_s": (theirs_tokens - len(totals["llamacpp"])) / theirs_decode}
+        figures["speedup_vs_llamacpp"] = figures["decode_tokens_per_s"] / figures["llamacpp"]["decode_tokens_per_s"]
+        figures["ttft_speedup_vs_llamacpp"] = figures["llamacpp"]["ttft_ms"] / figures["ttft_ms"]
+        figures["greedy_token_agreement_vs_llamacpp"] = token_agreement(outputs["spec"], outputs["llamacpp"])
+    return figures
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -132,8 +152,16 @@ def spec_bench(model_name: str, engine: EngineSpec, spec_cfg, prompts: str, prom
     draft = build_draft(spec_cfg, loaded.model, loaded.tokenizer, engine=engine)
     length = draft_length(spec_cfg)
     machine = machine_facts(measure=True)
+    peer, peer_missing = None, None
+    if "llamacpp" in str(baseline).split(","):
+        peer_missing = llamacpp.unavailable()
+        if peer_missing is None:
+            n_ctx = max(len(ids) for ids in prompt_ids) + new_tokens + 16
+            peer = llamacpp.peer_for(model_name, llamacpp.checkpoint_bits(model_name), n_ctx, torch.get_num_threads())
     figures = run_spec_bench(loaded.model, loaded.tokenizer, draft, length, prompt_ids, new_tokens, repeats, warmup,
-                             kv=kv)
+                             kv=kv, llamacpp=peer)
+    if peer_missing:
+        figures["llamacpp"] = {"unavailable": peer_missing}
     figures = {"model": loaded.name, "prompts": prompts, "threads": torch.get_num_threads(), "spec": spec_cfg.kind,
                "draft": describe_draft(draft), "k": length.k, "adaptive": length.adaptive,
                "kernels": kernel_paths(loaded.model), **figures}
@@ -192,6 +220,14 @@ def print_spec_table(result: dict, console) -> None:
                   f"{result['decode_speedup_vs_nospec']:.2f}x after the first token | identical outputs: "
                   f"{result['identical_outputs']} ({result['identical_runs']} runs)")
     console.print(f"kept drafted tokens per round (histogram): {result['accepted_histogram']}", style="dim")
+    theirs = result.get("llamacpp", {})
+    if "decode_tokens_per_s" in theirs:
+        console.print(f"llama.cpp without speculation ({theirs['dtype']}): decode "
+                      f"{theirs['decode_tokens_per_s']:.1f} tok/s, TTFT {theirs['ttft_ms']:.0f} ms | ours with "
+                      f"spec={result['spec']}: [bold]{result['speedup_vs_llamacpp']:.2f}x[/] its decode, TTFT "
+                      f"{result['ttft_speedup_vs_llamacpp']:.2f}x")
+    elif theirs:
+        console.print(f"no llama.cpp row: {theirs['unavailable']}", style="yellow")
     if peer := result.get("peer_assisted"):
         console.print(f"peer, transformers on {peer['model']} {peer['dtype']}: assisted generation "
                       f"({_assisted_how(peer)}) {peer['assisted']['tokens_per_s']:.1f} tok/s vs its "

@@ -25,20 +25,11 @@ from toolkit.errors import InputError
 from toolkit.kv import KVSpec
 from toolkit.machine import machine_facts
 from toolkit.models import load_model
-from toolkit.quant.checkpoint import is_quantized_checkpoint, read_manifest
 from toolkit.quant.formats import is_quantized_model
 from toolkit.results import append_to_store, make_result, write_result
 from toolkit.spec.config import SpecConfig
 
 console = Console(width=None if sys.stdout.isatty() else 150)
-
-
-def _bits(model_name: str) -> int | None:
-    """The weight bits of a quantized checkpoint (None: a float model), for llama.cpp's nearest type."""
-
-    if not is_quantized_model(model_name):
-        return None
-    return int(read_manifest(model_name)["recipe"]["bits"]) if is_quantized_checkpoint(model_name) else 4
 
 
 def bench(model_name: str, engine: EngineSpec, prompts: str, prompt_tokens: int, new_tokens: int, n_prompts: int,
@@ -72,7 +63,7 @@ def bench(model_name: str, engine: EngineSpec, prompts: str, prompt_tokens: int,
         peer_missing = llamacpp.unavailable()
         if peer_missing is None:
             n_ctx = max(len(ids) for ids in prompt_ids) + new_tokens + 16
-            peer = llamacpp.peer_for(model_name, _bits(model_name), n_ctx, threads or torch.get_num_threads())
+            peer = llamacpp.peer_for(model_name, llamacpp.checkpoint_bits(model_name), n_ctx, threads or torch.get_num_threads())
     machine = machine_facts(measure=True)
     with console.status(f"timing {len(prompt_ids)} prompts x {repeats} repeats, engine"
                         + (" and transformers generate() interleaved" if reference is not None else "")):

@@ -222,28 +222,35 @@ def _v16(codes, scale, zero, group: int) -> tuple | None:
     return v16
 
 
-W8A8_GROUP = 32
-"""An int8 checkpoint's activations at engine.native_dot=int8 are rounded to int8 per this many columns (its weights
-are per channel, so the weight's scale repeats over the groups): llama.cpp's Q8_0 block."""
+W8A8_GROUPS = (128, 64, 32)
+"""An int8 checkpoint's activations at engine.native_dot=int8 are rounded to int8 per group of columns, the first of
+these that divides the input width (its weights are per channel, so the weight's scale repeats over the groups)."""
+
+
+def _w8a8_group(k: int) -> int | None:
+    return next((g for g in W8A8_GROUPS if k % g == 0), None)
 
 
 def _v16_int8(key: torch.Tensor, rows, scale: torch.Tensor) -> tuple | None:
-    """The 8-bit v16 pack of int8 per-channel codes (`rows()`: [n, k] int8) and their scales, made once per `key`
-    (the h16 pack they come from), or None where the w8a8 kernel cannot run them (no AVX512-VNNI, or the layout)."""
+    """(codes, scale, zero, group): the 8-bit v16 pack of int8 per-channel codes (`rows()`: [n, k] int8) and their
+    scales, made once per `key` (the h16 pack they come from), or None where the w8a8 kernel cannot run them (no
+    AVX512-VNNI, or the layout)."""
     if not vnni.available(bits=8):
         return None
     hit = _V16.get(id(key))
-    if hit is not None and hit[0]() is key and hit[1] == -W8A8_GROUP:
+    if hit is not None and hit[0]() is key and hit[1] < 0:
         return hit[2]
     codes = rows()
     n, k = codes.shape
-    if k % W8A8_GROUP or not vnni.supports(n, k, W8A8_GROUP):
+    group = _w8a8_group(k)
+    if group is None or not vnni.supports(n, k, group):
         return None
-    groups = k // W8A8_GROUP
+    groups = k // group
     v16 = vnni.pack((codes.to(torch.int16) + 128).to(torch.uint8), scale.float().reshape(n, 1).expand(n, groups),
-                    torch.full((n, groups), 128, dtype=torch.uint8), W8A8_GROUP, bits=8)
-    _V16[id(key)] = (weakref.ref(key), -W8A8_GROUP, v16)  # the group negated: not an int4 pack's entry
-    return v16
+                    torch.full((n, groups), 128, dtype=torch.uint8), group, bits=8)
+    made = (*v16, group)
+    _V16[id(key)] = (weakref.ref(key), -group, made)  # the group negated: not an int4 pack's entry
+    return made
 
 
 def _single(layer) -> tuple | None:
@@ -296,8 +303,9 @@ def _int8_products(plan, keep: list, activations: str = "fp32") -> tuple[_Q4, ..
         n = scale.numel()  # the codes are a flat h16 pack of [n, k]
         v16 = _v16_int8(weight, codes, scale) if activations == "int8" else None
         if v16 is not None:
+            *v16, group = v16
             keep.extend(v16)
-            products.append(_Q4(*(t.data_ptr() for t in v16), _ptr(bias), n, weight.numel() // n, W8A8_GROUP, W8A8,
+            products.append(_Q4(*(t.data_ptr() for t in v16), _ptr(bias), n, weight.numel() // n, group, W8A8,
                                 _perm_ptr(in_perm, keep)))
             continue
         products.append(_Q4(weight.data_ptr(), scale.data_ptr(), None, _ptr(bias), n, weight.numel() // n, 0, I8,

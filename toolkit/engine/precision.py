@@ -83,7 +83,7 @@ class Precision:
         name = compute if compute == weights else f"{weights} w / {compute} a"  # weights / activations
         return (name + (", bf16 prefill" if self.prefill == "bf16" else "")
                 + (", bf16 native products" + (" on AMX" if _on_amx() else "") if self.dot == "bf16" else "")
-                + (", int8 activations (w4a8)" if self.dot == "int8" else ""))
+                + (", int8 activations" if self.dot == "int8" else ""))
 
 
 def runs_int8_activations(model) -> bool:

@@ -18,8 +18,8 @@ from toolkit.errors import InputError
 from toolkit.settings import node_values, refuse_unknown
 
 ENGINE_DOTS = ("fp32", "bf16", "int8")
-"""engine.native_dot: the native stack's products. fp32 and bf16 apply to a float model's stack, int8 to an int4
-checkpoint's (docs/engine.md, "Precision")."""
+"""engine.native_dot: the native stack's products. fp32 and bf16 apply to a float model's stack, int8 to an int4 or
+int8 checkpoint's (docs/engine.md, "int8 activations")."""
 LOWBIT_KERNELS = ("auto", "specquant", "torch")
 WIDE_COPIES = (True, False, "auto")
 
