@@ -25,8 +25,7 @@ When it runs (`NativeDecoder.applies`; anything else takes the lean forward's to
   packs' `max_rows` (decode, verify passes, short prompts). A stack whose products all run w4a8 (below) also runs
   the prompt into an empty cache, up to `W4A8_MAX_ROWS` rows: there the integer kernel beats dequantize + fp32
   F.linear at any row count (a 126-token prompt of Qwen2.5-Coder-0.5B int4: 0.24-0.27 s against 1.29-1.34 s). An
-  all-fp16 stack runs prompts too, below the packs' max_rows (FBGEMM_MAX_ROWS): its kernel keeps up with fbgemm's
-  at 128 rows.
+  all-fp16 (or bf16) stack runs prompts up to that bound too: its kernel beats the wide fp32 copy's torch path.
 
 A draft's stack (`spec.act_bits=8`: `LeanForward.native_activations = "int8"`), and a target's at
 `engine.native_dot=int8`, runs its products on the w4a8 kernel instead (`toolkit.quant.vnni`: activations rounded to
@@ -362,12 +361,12 @@ class NativeDecoder:
         self.w4a8 = sum(kinds.count(kind) for kind in INT8_ACTIVATIONS)
         self.half = kinds.count(H16) + kinds.count(B16)  # a float model's fp16 products (h16 or b16 kernel)
         # the fp32 int4 GEMM loses to dequantize + F.linear from the packs' max_rows on; the w4a8 kernel (integer
-        # dot products, 4x fp32's multiply-adds per instruction) wins at any row count, so a stack made only of
-        # w4a8 products also runs a draft's prompt (W4A8_MAX_ROWS bounds its per-call scratch: scores H x M x M);
-        # the fp16 kernel runs as fast as fbgemm up to the packs' max_rows (fbgemm's own bound), so an all-fp16
-        # stack runs prompts that short too
+        # dot products, 4x fp32's multiply-adds per instruction) wins at any row count, and so do the fp16 and bf16
+        # kernels against the wide fp32 copy's torch path (a 512-token SmolLM2 prompt: 835 -> 623 ms fp16, 751 ->
+        # 437 ms bf16; docs/engine.md "Where a short prompt's time goes"), so a stack made only of those runs
+        # prompts up to W4A8_MAX_ROWS rows (the bound of its per-call scratch: scores H x M x M)
         self.runs_prompts = self.w4a8 == 4 * n_layers or self.half == 4 * n_layers
-        self.max_rows = W4A8_MAX_ROWS if self.w4a8 == 4 * n_layers else max_rows
+        self.max_rows = W4A8_MAX_ROWS if self.runs_prompts else max_rows
 
     @classmethod
     def of(cls, model, plans, activations: str = "fp32", dot: str = "fp32") -> tuple[NativeDecoder | None, str]:
