@@ -25,7 +25,7 @@ When it runs (`NativeDecoder.applies`; anything else takes the lean forward's to
   packs' `max_rows` (decode, verify passes, short prompts). A stack whose products all run w4a8 (below) also runs
   the prompt into an empty cache, up to `W4A8_MAX_ROWS` rows: there the integer kernel beats dequantize + fp32
   F.linear at any row count (a 126-token prompt of Qwen2.5-Coder-0.5B int4: 0.24-0.27 s against 1.29-1.34 s). An
-  all-fp16 (or bf16) stack runs prompts up to that bound too: its kernel beats the wide fp32 copy's torch path.
+  all-fp16, bf16 or exact int8 stack runs prompts up to that bound too: its kernel beats the torch path.
 
 A draft's stack (`spec.act_bits=8`: `LeanForward.native_activations = "int8"`), and a target's at
 `engine.native_dot=int8`, runs its products on the w4a8 kernel instead (`toolkit.quant.vnni`: activations rounded to
@@ -360,12 +360,13 @@ class NativeDecoder:
         # products with int8 activations: int4 or int8 weights on vnni_gemm.c (`of(..., activations="int8")`)
         self.w4a8 = sum(kinds.count(kind) for kind in INT8_ACTIVATIONS)
         self.half = kinds.count(H16) + kinds.count(B16)  # a float model's fp16 products (h16 or b16 kernel)
-        # the fp32 int4 GEMM loses to dequantize + F.linear from the packs' max_rows on; the w4a8 kernel (integer
-        # dot products, 4x fp32's multiply-adds per instruction) wins at any row count, and so do the fp16 and bf16
-        # kernels against the wide fp32 copy's torch path (a 512-token SmolLM2 prompt: 835 -> 623 ms fp16, 751 ->
-        # 437 ms bf16; docs/engine.md "Where a short prompt's time goes"), so a stack made only of those runs
-        # prompts up to W4A8_MAX_ROWS rows (the bound of its per-call scratch: scores H x M x M)
-        self.runs_prompts = self.w4a8 == 4 * n_layers or self.half == 4 * n_layers
+        # the fp32 int4 GEMM loses to dequantize + F.linear from the packs' max_rows on; every other kernel wins at
+        # any row count: w4a8/w8a8 (integer dot products), and fp16, bf16 and exact int8 against the torch path
+        # (a 512-token SmolLM2 prompt: fp16 835 -> 623 ms, bf16 751 -> 437 ms, int8 953 -> 620 ms, and exact where
+        # the torch path quantized an int8 layer's activations per row; docs/engine.md "Where a short prompt's time
+        # goes"), so a stack without int4 fp32 products runs prompts up to W4A8_MAX_ROWS rows (the bound of its
+        # per-call scratch: scores H x M x M)
+        self.runs_prompts = bool(kinds) and N8 not in kinds
         self.max_rows = W4A8_MAX_ROWS if self.runs_prompts else max_rows
 
     @classmethod
