@@ -204,7 +204,14 @@ def _half_product(pack, modules: list, owner, keep: list, dot: str = "fp32") -> 
 
 W4A8_MAX_ROWS = 2048
 
-_V16: dict[int, tuple] = {}  # id(n8 codes) -> (weakref to them, group, v16 pack): plans are rebuilt often, packs once
+# id(n8 codes or int8 h16 pack) -> (weakref to them, group (negated for int8), v16 pack): plans are rebuilt often,
+# packs once
+_V16: dict[int, tuple] = {}
+
+
+def _drop_dead_packs() -> None:
+    for key in [key for key, (ref, _, _) in _V16.items() if ref() is None]:
+        del _V16[key]
 
 
 def _v16(codes, scale, zero, group: int) -> tuple | None:
@@ -214,8 +221,7 @@ def _v16(codes, scale, zero, group: int) -> tuple | None:
     hit = _V16.get(id(codes))
     if hit is not None and hit[0]() is codes and hit[1] == group:
         return hit[2]
-    for key in [key for key, (ref, _, _) in _V16.items() if ref() is None]:
-        del _V16[key]
+    _drop_dead_packs()
     v16 = vnni.from_n8(codes, scale, zero, group)
     _V16[id(codes)] = (weakref.ref(codes), group, v16)
     return v16
@@ -239,6 +245,7 @@ def _v16_int8(key: torch.Tensor, rows, scale: torch.Tensor) -> tuple | None:
     hit = _V16.get(id(key))
     if hit is not None and hit[0]() is key and hit[1] < 0:
         return hit[2]
+    _drop_dead_packs()
     codes = rows()
     n, k = codes.shape
     group = _w8a8_group(k)
