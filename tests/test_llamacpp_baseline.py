@@ -85,3 +85,24 @@ def test_llama_cpp_runs_beside_speculation_on_the_same_prompts(smollm2, tmp_path
     result = _bench("smollm2-135m", "llamacpp", tmp_path, "spec=lookup", "prompts=grounded", "prompt_tokens=96")
     assert result["llamacpp"]["weights"] == "same weights" and result["llamacpp"]["decode_tokens_per_s"] > 0
     assert result["identical_outputs"] is True and result["speedup_vs_llamacpp"] > 0
+
+
+def test_every_llama_cpp_run_prefills_its_whole_prompt():
+    """llama-cpp-python reuses the longest prefix its context holds; a bench run must not (the engine prefills
+    every prompt in full), so the context is reset before each run."""
+    calls = []
+
+    class FakeLlama:
+        def reset(self):
+            calls.append("reset")
+
+        def generate(self, ids, **kwargs):
+            calls.append(("generate", len(ids)))
+            yield from range(100, 110)
+
+    peer = llamacpp.LlamaCpp.__new__(llamacpp.LlamaCpp)
+    peer.llm = FakeLlama()
+    for _ in range(2):
+        tokens, timing = peer.run(list(range(20)), 4)
+        assert tokens == [100, 101, 102, 103] and timing.new_tokens == 4
+    assert calls == ["reset", ("generate", 20)] * 2

@@ -163,6 +163,9 @@ class LlamaCpp:
                                    n_batch=min(n_ctx, 2048), flash_attn=True, verbose=False)
 
     def run(self, ids: list[int], new_tokens: int) -> tuple[list[int], GenerationTiming]:
+        # llama-cpp-python's generate() keeps the longest prefix its context already holds (a repeated prompt would
+        # skip its prefill); the engine prefills every prompt in full, so llama.cpp does too
+        self.llm.reset()
         watch, tokens = Stopwatch(), []
         for token in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             watch.mark()
