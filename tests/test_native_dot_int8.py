@@ -1,5 +1,5 @@
 """engine.native_dot=int8 (docs/engine.md, "Precision"): an int4 model's native stack with each row's activations
-rounded to int8 per weight group, an int8 model's per 32 columns (toolkit/quant/vnni.py). Every product runs the w4a8
+rounded to int8 per weight group, an int8 model's per 128 or 64 columns (toolkit/quant/vnni.py). Every product runs the w4a8
 (w8a8: AVX512-VNNI only) kernel; its logits are close to
 the exact stack's but not equal; greedy speculative output at that setting is the same target's greedy output alone
 (rows stay independent); evaluation measures the same arithmetic generation runs; a model it cannot run is a clear
