@@ -17,3 +17,9 @@ def refuse_unknown(values: dict, known, what: str, fix: str) -> None:
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise InputError(f"unknown {what} option(s) {', '.join(unknown)}", fix)
+
+
+def check_kind(kind, kinds, what: str, key: str) -> None:
+    """InputError unless `kind` is one of `kinds` (`what`: "KV cache kind"; `key`: the override, "kv")."""
+    if kind not in kinds:
+        raise InputError(f"unknown {what} {kind!r}", f"use {key}= one of {', '.join(kinds)}")

@@ -283,12 +283,9 @@ def _int4_products(plan, keep: list, activations: str) -> tuple[_Q4, ...] | None
 
 
 def _int8_single(layer) -> tuple | None:
-    """(packed codes, scale, bias, in_perm, [n, k] codes) of an int8 QuantLinear on specquant's int8 GEMM, else
-    None."""
+    """(packed codes, scale, bias, in_perm) of an int8 QuantLinear on specquant's int8 GEMM, else None."""
 
-    if not on_int8_gemm(layer):
-        return None
-    return layer.weight_int8_h16, layer.scale, layer.bias, layer.in_perm, layer.int8_rows
+    return (layer.weight_int8_h16, layer.scale, layer.bias, layer.in_perm) if on_int8_gemm(layer) else None
 
 
 def _int8_products(plan, keep: list, activations: str = "fp32") -> tuple[_Q4, ...] | None:
@@ -299,15 +296,16 @@ def _int8_products(plan, keep: list, activations: str = "fp32") -> tuple[_Q4, ..
     qkv, gate_up, o, down = plan.qkv, plan.gate_up, _int8_single(plan.o), _int8_single(plan.down)
     if not (type(qkv) is Int8Pack and type(gate_up) is Int8Pack and o and down):
         return None
-    fused = [(m, [plan.q, plan.k, plan.v] if m is qkv else [plan.gate, plan.up]) for m in (qkv, gate_up)]
-    rows = {id(m): (lambda layers=layers: torch.cat([layer.int8_rows() for layer in layers])) for m, layers in fused}
     products = []
-    for weight, scale, bias, in_perm, codes in ((qkv.weight, qkv.scale, qkv.bias, qkv.in_perm, rows[id(qkv)]), o,
-                                                (gate_up.weight, gate_up.scale, gate_up.bias, gate_up.in_perm,
-                                                 rows[id(gate_up)]), down):
+    for (weight, scale, bias, in_perm), layers in (((qkv.weight, qkv.scale, qkv.bias, qkv.in_perm),
+                                                    (plan.q, plan.k, plan.v)), (o, (plan.o,)),
+                                                   ((gate_up.weight, gate_up.scale, gate_up.bias, gate_up.in_perm),
+                                                    (plan.gate, plan.up)), (down, (plan.down,))):
         keep += [t for t in (weight, scale, bias) if t is not None]
         n = scale.numel()  # the codes are a flat h16 pack of [n, k]
-        v16 = _v16_int8(weight, codes, scale) if activations == "int8" else None
+        v16 = None
+        if activations == "int8":  # the [n, k] codes are unpacked only when the pack is not made yet
+            v16 = _v16_int8(weight, lambda layers=layers: torch.cat([m.int8_rows() for m in layers]), scale)
         if v16 is not None:
             *v16, group = v16
             keep.extend(v16)

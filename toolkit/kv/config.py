@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from toolkit.errors import InputError
 from toolkit.kv.quantize import ALLOWED_BITS
 from toolkit.model_state import peek
-from toolkit.settings import node_values, refuse_unknown
+from toolkit.settings import check_kind, node_values, refuse_unknown
 
 DEQUANT_MODES = ("full", "torch", "cached")
 # Tokens leave the full-precision window this many at a time (values quantized per token, keys staged per token):
@@ -98,8 +98,7 @@ class KVSpec:
     quant: KVQuantConfig | None = None
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise InputError(f"unknown KV cache kind {self.kind!r}", f"use kv= one of {', '.join(KINDS)}")
+        check_kind(self.kind, KINDS, "KV cache kind", "kv")
         if self.kind == "fp" and self.quant is not None:
             raise InputError("kv=fp has no quantization options", "use kv=int8, int4 or int2")
         if self.kind != "fp":
@@ -121,8 +120,7 @@ class KVSpec:
             return cls(node)
         values = node_values(node)
         kind = values.pop("kind", "fp")
-        if kind not in KINDS:
-            raise InputError(f"unknown KV cache kind {kind!r}", f"use kv= one of {', '.join(KINDS)}")
+        check_kind(kind, KINDS, "KV cache kind", "kv")
         refuse_unknown(values, (f.name for f in dataclasses.fields(KVQuantConfig)), "kv",
                        f"see conf/kv/{kind if kind != 'fp' else 'int4'}.yaml for what a quantized cache takes")
         if kind == "fp":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from toolkit.errors import InputError
 from toolkit.kv.config import KVSpec
-from toolkit.settings import node_values, refuse_unknown
+from toolkit.settings import check_kind, node_values, refuse_unknown
 
 KINDS = ("none", "lookup", "self", "draft")
 _CONF = Path(__file__).resolve().parent.parent / "conf" / "spec"
@@ -55,13 +55,11 @@ class SpecConfig:
         if node is None:
             return cls()
         if isinstance(node, str):
-            if node not in KINDS:
-                raise InputError(f"unknown speculative decoding kind {node!r}", f"use spec= one of {', '.join(KINDS)}")
+            check_kind(node, KINDS, "speculative decoding kind", "spec")
             node = _load(node)
         values = node_values(node)
         kind = values.get("kind", "none")
-        if kind not in KINDS:
-            raise InputError(f"unknown speculative decoding kind {kind!r}", f"use spec= one of {', '.join(KINDS)}")
+        check_kind(kind, KINDS, "speculative decoding kind", "spec")
         refuse_unknown(values, (f.name for f in dataclasses.fields(cls)), "spec",
                        f"see conf/spec/{kind}.yaml for what spec={kind} takes")
         spec = cls(**{**values, "kv": KVSpec.from_node(values.get("kv"))})
