@@ -29,6 +29,12 @@
 # - int8 activations: each int4 and int8 checkpoint also at engine.native_dot=int8 (the w4a8 / w8a8 kernels,
 #   llama.cpp's q8 activations; int8 weights need AVX512-VNNI, elsewhere the sweep says so and goes on), kv=fp: perplexity, KL and top-1 on the kv=fp windows (the only task it is evaluated on) and a
 #   no-spec bench with the same baselines; rows of their own ("..., engine.native_dot=int8").
+# - beside llama.cpp, medians (where llama-cpp-python imports; LLAMACPP=0 skips it): the float model at
+#   engine.native_dot=fp32 and bf16, each int4/int8 checkpoint at fp32 and int8, after 128- and 512-token open
+#   prompts (64 new tokens); speculation (lookup on grounded prompts, self-draft on open ones for the float model,
+#   lookup for each int4/int8 checkpoint at its fastest precision) against llama.cpp's plain decode; 3 prompts x 3
+#   repeats each, a ratio per repeat, the median in BENCHMARKS.md's "Beside llama.cpp" table and the README
+#   (toolkit/report/llamacpp.py). Tagged +bench=llamacpp, so they stay out of the main table's rows.
 #
 # Every result line holds its resolved config, protocol, machine facts and git revision; the store is appended to,
 # so delete it first for a clean rebuild (the script does unless KEEP_STORE=1). Checkpoints already under
@@ -117,6 +123,23 @@ fi
 [[ -z $spec_on ]] || specquant bench -m "model=$all" "kv=$KVS" "spec=$spec_on" "${BENCH_ARGS[@]}" "+store=$STORE" \
   ${EXTRA:-}
 stamp "latency"
+
+if [[ $PEERS == *llamacpp* && ${LLAMACPP:-1} == 1 ]]; then
+  SIDE=(baseline=llamacpp n_prompts=3 "repeats=${SIDE_REPEATS:-3}" warmup=1 +bench=llamacpp "+store=$STORE")
+  specquant bench -m "model=$MODEL" engine.native_dot=fp32,bf16 kv=fp spec=none prompts=open prompt_tokens=128,512 \
+    new_tokens=64 "${SIDE[@]}" ${EXTRA:-} || echo "== sweep: a float llama.cpp side-by-side failed (see above)"
+  specquant bench "model=$MODEL" kv=fp spec=lookup prompts=grounded prompt_tokens=256 new_tokens=128 "${SIDE[@]}" \
+    ${EXTRA:-}
+  specquant bench "model=$MODEL" kv=fp spec=self prompts=open prompt_tokens=128 new_tokens=128 "${SIDE[@]}" ${EXTRA:-}
+  for dir in "${int8act[@]}"; do
+    specquant bench -m "model=$dir" engine.native_dot=fp32,int8 kv=fp spec=none prompts=open prompt_tokens=128,512 \
+      new_tokens=64 "${SIDE[@]}" ${EXTRA:-} || echo "== sweep: a llama.cpp side-by-side of $dir failed (see above)"
+    specquant bench "model=$dir" engine.native_dot=int8 kv=fp spec=lookup prompts=grounded prompt_tokens=256 \
+      new_tokens=128 "${SIDE[@]}" ${EXTRA:-} || specquant bench "model=$dir" kv=fp spec=lookup prompts=grounded \
+      prompt_tokens=256 new_tokens=128 "${SIDE[@]}" ${EXTRA:-}
+  done
+  stamp "beside llama.cpp"
+fi
 
 shot=()
 chromium=${SPECQUANT_HOME:-$HOME/.cache/specquant}/chromium

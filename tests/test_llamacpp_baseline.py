@@ -26,7 +26,10 @@ def _bench(model: str, baseline: str, tmp_path, *more: str):
 class _FakeLlamaCpp:
     """What `llamacpp.peer_for` returns, without llama-cpp-python: fixed tokens, a made-up clock (1 s to the first
     token, then 0.5 s a token), so the spec bench's llama.cpp figures can be checked exactly."""
-    path, weights = "fake.gguf", "same weights"
+    path, weights, fallback_reason = "fake.gguf", "same weights", None
+
+    def weight_bytes(self):
+        return 1 << 20
 
     def run(self, ids, new_tokens):
         from toolkit.timing import GenerationTiming

@@ -11,6 +11,7 @@ import torch
 
 from toolkit.bench.baseline import hf_generate_timed
 from toolkit.bench.interleave import interleaved
+from toolkit.bench.repeats import Run, repeat_ratios
 from toolkit.engine.costs import kv_bytes_per_token, weight_bytes_per_token  # noqa: F401 (bench's names)
 from toolkit.engine.generate import generate
 from toolkit.engine.precision import model_precision
@@ -62,6 +63,7 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
         paths["llamacpp"] = lambda ids: llamacpp.run(ids, new_tokens)
 
     timings = {name: [] for name in paths}
+    runs = {name: [] for name in paths}
     outputs = {name: [] for name in paths}
     peaks = dict.fromkeys(paths, 0.0)
     for rep, name, ids in interleaved(paths, prompts, repeats, warmup):
@@ -69,6 +71,7 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
             tokens, timing = paths[name](ids)
         peaks[name] = max(peaks[name], rss.peak_mb)
         timings[name].append(timing)
+        runs[name].append(Run(rep, timing.ttft_s, len(timing.itl_s), timing.decode_s))
         if rep == 0:
             outputs[name].append(tokens)
 
@@ -97,6 +100,7 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
         result["speedup_vs_llamacpp"] = result["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
         result["ttft_speedup_vs_llamacpp"] = theirs["ttft_ms"] / result["ttft_ms"]
         result["greedy_token_agreement_vs_llamacpp"] = token_agreement(outputs["engine"], outputs["llamacpp"])
+        result["vs_llamacpp"] = repeat_ratios(runs["engine"], runs["llamacpp"])
     return result
 
 

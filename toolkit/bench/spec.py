@@ -17,6 +17,7 @@ import torch
 
 from toolkit.bench import llamacpp
 from toolkit.bench.interleave import interleaved
+from toolkit.bench.repeats import Run, repeat_ratios
 from toolkit.bench.peers import (
     TRANSFORMERS_LOOKUP_TOKENS,
     assisted_draft_peer,
@@ -75,8 +76,10 @@ def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[l
     outputs = {name: [] for name in paths}
     pooled = Counter()
     histogram = Counter()
-    for _, name, ids in interleaved(paths, prompts, repeats, warmup):
+    runs = {name: [] for name in paths}
+    for rep, name, ids in interleaved(paths, prompts, repeats, warmup):
         tokens, total, ttft, stats = paths[name](ids)
+        runs[name].append(Run(rep, ttft, len(tokens) - 1, total - ttft))
         totals[name].append(total)
         prefills[name].append(ttft)
         outputs[name].append(tokens)
@@ -127,6 +130,7 @@ def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[l
         figures["speedup_vs_llamacpp"] = figures["decode_tokens_per_s"] / figures["llamacpp"]["decode_tokens_per_s"]
         figures["ttft_speedup_vs_llamacpp"] = figures["llamacpp"]["ttft_ms"] / figures["ttft_ms"]
         figures["greedy_token_agreement_vs_llamacpp"] = token_agreement(outputs["spec"], outputs["llamacpp"])
+        figures["vs_llamacpp"] = repeat_ratios(runs["spec"], runs["llamacpp"])
     return figures
 
 

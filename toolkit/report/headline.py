@@ -50,8 +50,9 @@ def _cells(row: Row, llamacpp: bool) -> list[str]:
     return cells
 
 
-def render_headline(rows: list[Row], data: str | None) -> str:
-    """The block's Markdown (without the markers)."""
+def render_headline(rows: list[Row], data: str | None, beside_llamacpp: str = "") -> str:
+    """The block's Markdown (without the markers); `beside_llamacpp`: the medians table (toolkit.report.llamacpp),
+    placed under the headline rows."""
     picked = headline_rows(rows)
     llamacpp = any(r.peer and r.kv == "llama.cpp" for r in picked)
     columns = COLUMNS + (LLAMACPP_COLUMNS if llamacpp else [])
@@ -70,6 +71,8 @@ def render_headline(rows: list[Row], data: str | None) -> str:
     note += (" Written by `specquant report` from the results store; every row, column and protocol is in "
              "[BENCHMARKS.md](BENCHMARKS.md).")
     lines += ["", note]
+    if beside_llamacpp:
+        lines += ["", "Beside llama.cpp, medians of repeats:", "", beside_llamacpp]
     return "\n".join(lines)
 
 

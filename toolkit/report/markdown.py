@@ -48,7 +48,8 @@ def cells(row, qmarks: dict, smarks: dict) -> list[str]:
             sv(_fmt(s.get("ttft_speedup_vs_llamacpp"), ".2f")), sv(nospec), sv(accepted)]
 
 
-def render_markdown(rows, title: str = "Benchmarks", note: str = "") -> str:
+def render_markdown(rows, title: str = "Benchmarks", note: str = "", beside_llamacpp: str = "") -> str:
+    """The whole page; `beside_llamacpp`: the medians table (toolkit.report.llamacpp), a section of its own."""
     qmarks, smarks = protocol_marks(rows)
     lines = [f"# {title}", ""]
     if note:
@@ -71,7 +72,10 @@ def render_markdown(rows, title: str = "Benchmarks", note: str = "") -> str:
               "and KV cache without speculation over the time with it, interleaved in the same run, outputs "
               "compared token for token. accepted: the share of drafted tokens the target accepted (mean accepted "
               "per verify round).")
-    lines += ["", legend, "", "## Protocols", ""]
+    lines += ["", legend]
+    if beside_llamacpp:
+        lines += ["", "## Beside llama.cpp (medians of repeats)", "", beside_llamacpp]
+    lines += ["", "## Protocols", ""]
     lines += [f"- **[{mark}]** {text}" for text, mark in qmarks.items()]
     lines += [f"- **[{mark}]** {text}" for text, mark in smarks.items()]
     return "\n".join(lines) + "\n"

@@ -142,8 +142,8 @@ def gguf_type(peer: dict) -> str:
     """The GGUF type llama.cpp ran (F16, Q8_0, Q4_0) from a result's `llamacpp` figures."""
     if peer.get("gguf_type"):
         return str(peer["gguf_type"])
-    dtype = str(peer.get("dtype") or "?")
-    return dtype.removeprefix("llama.cpp").strip() or dtype
+    dtype = str(peer.get("dtype") or "?")  # "llama.cpp F16, same weights": the type alone
+    return dtype.removeprefix("llama.cpp").split(",")[0].strip() or dtype
 
 
 def llamacpp_row(row: Row) -> Row | None:
