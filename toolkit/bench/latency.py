@@ -22,10 +22,12 @@ from toolkit.model_state import peek
 from toolkit.timing import GenerationTiming, RssSampler, percentiles
 
 
-def decode_floor(model, kv_dtype: torch.dtype, context_tokens: float, bandwidth: float) -> dict:
-    """The fastest a decode step can be if it only had to stream its bytes at the measured bandwidth."""
+def decode_floor(model, kv_dtype: torch.dtype, context_tokens: float, bandwidth: float,
+                 kv_per_token: float | None = None) -> dict:
+    """The fastest a decode step can be if it only had to stream its bytes at the measured bandwidth: the weights,
+    and the KV cache at `kv_dtype` -- or, given, `kv_per_token` bytes a token as the cache stored them."""
     weights = weight_bytes_per_token(model)
-    kv = kv_bytes_per_token(model, kv_dtype) * context_tokens
+    kv = (kv_per_token if kv_per_token is not None else kv_bytes_per_token(model, kv_dtype)) * context_tokens
     seconds = (weights + kv) / bandwidth
     return {"weight_bytes": weights, "kv_bytes_at_mean_context": int(kv), "floor_ms": seconds * 1e3,
             "floor_tokens_per_s": 1 / seconds}
@@ -76,8 +78,9 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
             outputs[name].append(tokens)
 
     mean_context = statistics.mean(len(ids) for ids in prompts) + new_tokens / 2
-    result = _path_summary(engine_model, timings["engine"], peaks["engine"], mean_context, bandwidth)
     kv_tokens, kv_bytes = max(kv_seen)
+    result = _path_summary(engine_model, timings["engine"], peaks["engine"], mean_context, bandwidth,
+                           kv_per_token=kv_bytes / kv_tokens)
     result.update(kv_tokens=kv_tokens, kv_bytes=kv_bytes,
                   kv_ratio_to_bf16=kv_bytes / (kv_bytes_per_token(engine_model, torch.bfloat16) * kv_tokens))
     if reference_model is not None:
@@ -104,11 +107,13 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
     return result
 
 
-def _path_summary(model, timings, peak_mb, mean_context, bandwidth, **extra) -> dict:
+def _path_summary(model, timings, peak_mb, mean_context, bandwidth, kv_per_token=None, **extra) -> dict:
+    """`kv_per_token`: the bytes a token took in the engine's cache as stored (its floor reads those); None: the
+    compute dtype's (transformers' cache)."""
     precision = model_precision(model)
     label = peek(model).quant_label
     summary = summarize(timings, peak_mb, **extra, dtype=f"{label} + {precision.name}" if label else precision.name,
-                        decode_floor=decode_floor(model, precision.compute, mean_context, bandwidth))
+                        decode_floor=decode_floor(model, precision.compute, mean_context, bandwidth, kv_per_token))
     # How many times slower than the bandwidth floor the measured decode step is (1.0 = at the floor).
     summary["decode_floor"]["times_floor"] = summary["decode_floor"]["floor_tokens_per_s"] / summary["decode_tokens_per_s"]
     return summary

@@ -43,7 +43,7 @@ def evaluate_model(cfg) -> dict:
         out = run_tasks(loaded.model, loaded.tokenizer, texts, tasks, settings, reference, kv, data,
                         log=lambda line: console.print(f"  protocol {line}", style="dim", highlight=False),
                         progress=sys.stderr.isatty())
-    figures = {"model": loaded.name, "dtype": loaded.precision.name, "kv": kind, "data": data, "tasks": tasks,
+    figures = {"model": loaded.name, "dtype": loaded.precision.name, "kv": str(kv), "data": data, "tasks": tasks,
                "quant": quant, "reference": reference_name, "exact_prefill": exact,
                **out["figures"], "protocol": out["protocol"], "seconds": out["seconds"]}
     if "ppl" in figures:

@@ -20,7 +20,8 @@ When it runs (`NativeDecoder.applies`; anything else takes the lean forward's to
   copy of the decoder's weights, 212 MB for SmolLM2) where the CPU has AVX2 + F16C (`engine.native_dot=bf16`: b16 packs
   of the weights rounded to bf16 instead, on `toolkit.quant.bf16_native`, AVX512-BF16); its norms RMSNorms, its
   activation SiLU, full rotary (no partial rotary, no sliding windows: what the lean forward already requires);
-- activations and KV cache in fp32, one sequence (batch 1, no padding mask), the cache a `ContiguousKVCache`
+- activations in fp32, the KV cache in fp32 or fp16 (`kv.dtype`, docs/kv-cache.md: read into fp32 as attention
+  goes), one sequence (batch 1, no padding mask), the cache a `ContiguousKVCache`
   already holding the prompt (the quantized and paged caches take the torch path), fewer new rows than the
   packs' `max_rows` (decode, verify passes, short prompts). A stack whose products all run w4a8 (below) also runs
   the prompt into an empty cache, up to `W4A8_MAX_ROWS` rows: there the integer kernel beats dequantize + fp32
@@ -86,10 +87,13 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _Q4), ("down", _Q4)]
 
 
+KV_DTYPES = {torch.float32: 0, torch.float16: 1}  # a cache's dtype -> the kernel's kv_half
+
+
 class _Dims(ctypes.Structure):
     _fields_ = [("d", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("cap", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scaling", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("kv_half", ctypes.c_int64)]
 
 
 def load():
@@ -454,8 +458,9 @@ class NativeDecoder:
             return False
         first = layers[0]
         if not first.is_initialized:  # an empty cache: a w4a8 stack runs the prompt too (see __init__)
-            return self.runs_prompts and rows <= first.max_length
-        if (first.key_buffer.dtype != torch.float32 or first.key_buffer.shape[0] != 1
+            return (self.runs_prompts and rows <= first.max_length
+                    and first.storage_dtype(1, torch.float32) in KV_DTYPES)
+        if (first.key_buffer.dtype not in KV_DTYPES or first.key_buffer.shape[0] != 1
                 or not first.key_buffer.is_contiguous()):
             return False
         return first.length + rows <= first.max_length
@@ -492,12 +497,14 @@ class NativeDecoder:
         if not layers[0].is_initialized:  # a prompt into an empty cache (`runs_prompts`): all layers are empty
             d = self.dims
             for layer in layers:
-                layer.allocate(1, d.kv_heads, d.head_dim, d.head_dim, torch.float32, hidden.device)
+                layer.allocate(1, d.kv_heads, d.head_dim, d.head_dim, layer.storage_dtype(1, torch.float32),
+                               hidden.device)
         start = layers[0].length
         if any(layer.length != start or type(layer) is not type(layers[0]) for layer in layers):
             raise RuntimeError("the KV cache's layers hold different lengths")
         keys, values = self._addresses(cache, layers)
         self.dims.cap = layers[0].max_length
+        self.dims.kv_half = KV_DTYPES[layers[0].key_buffer.dtype]
         rows = hidden.shape[1]
         rc = library().sq_decoder_layers(ctypes.byref(self.layers), self.n_layers, ctypes.byref(self.dims),
                                          hidden.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), keys, values, start)

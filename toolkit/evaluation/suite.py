@@ -1,9 +1,9 @@
 """Run the quality tasks on a candidate model against its reference and collect figures with their protocols.
 
 Tasks: `ppl` (perplexity), `kl` (KL divergence and top-1 agreement; same windows and passes as ppl, so asking for
-either computes both), `cloze`, `mc`, `gen`. A full-precision KV cache hands back exactly what was stored, so
-with kv=fp perplexity windows run as plain forward passes; with a quantized kind they are fed `chunk` tokens at a
-time. Cloze/mc passages are prefilled into the cache once and their continuations read them back, whatever the
+either computes both), `cloze`, `mc`, `gen`. A full-precision KV cache in the activations' dtype hands back exactly
+what was stored, so with kv=fp perplexity windows run as plain forward passes; with a quantized kind, or kv.dtype=fp16
+or bf16 (a narrower store), they are fed `chunk` tokens at a time. Cloze/mc passages are prefilled into the cache once and their continuations read them back, whatever the
 kind (see forward.py, continuation.py)."""
 
 import time
@@ -53,8 +53,10 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
     """{"figures": flat dict of numbers, "protocol": {task: description dict}, "seconds": {task: wall time}}.
     reference=None: the model is its own reference. progress: tqdm bars on stderr."""
     kv = kv_spec(kv)
-    kind = kv.kind
-    through_cache = kv.quantized
+    kind = str(kv)
+    # a quantized cache, or a float one stored narrower on request (kv.dtype=fp16|bf16), changes the outputs only
+    # where tokens are read back: feed the windows through it
+    through_cache = kv.quantized or kv.dtype in ("fp16", "bf16")
     if runs_int8_activations(model) and set(tasks) - {"ppl"}:
         # int8 activations exist on the native stack only (one sequence at a time): the item and generation tasks
         # batch their rows, which would score the exact path instead

@@ -20,8 +20,8 @@
  * target's.
  *
  * Layouts: hidden [M, d] fp32 (updated in place); cos, sin [M, head_dim] (transformers' rotary tables for the rows'
- * positions); each layer's keys and values in [kv_heads, cap, head_dim] fp32 buffers (a ContiguousKVLayer's
- * buffers for batch 1), the new rows written at slots start .. start+M-1. The fused q,k,v product's columns are
+ * positions); each layer's keys and values in [kv_heads, cap, head_dim] fp32 or fp16 buffers (a ContiguousKVLayer's
+ * buffers for batch 1; `kv_half`), the new rows written at slots start .. start+M-1. The fused q,k,v product's columns are
  * q (heads*head_dim) | k (kv_heads*head_dim) | v; gate,up's are gate (inter) | up (inter).
  */
 #include <math.h>
@@ -59,6 +59,9 @@ typedef struct {
 typedef struct {
     int64_t d, heads, kv_heads, head_dim, inter, cap;
     float eps, scaling;
+    /* 0: the cache's keys and values are fp32; 1: fp16 (IEEE half, rounded to nearest even as torch's .half()),
+     * read into fp32 and accumulated in fp32 (docs/kv-cache.md "The float cache in 2 bytes") */
+    int64_t kv_half;
 } sq_dims;
 
 /* attention runs on the OpenMP threads above this many (head, row, key) scores a layer, serial below. 512: a one-row
@@ -318,7 +321,49 @@ static void attend(const float *q, const float *kb, const float *vb, int64_t len
     for (int64_t j = 0; j < hd; j++) out[j] *= inv;
 }
 
+#ifdef __AVX2__
+/* n floats (n % 8 == 0) to IEEE half, rounded to nearest even (torch's .half()), and back (exact) */
+static inline void to_half(const float *x, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
+static inline void from_half(const uint16_t *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+}
+
+/* `attend` over an fp16 cache: each key and value row widened to fp32 first, then the same operations in the same
+ * order (widening is exact), so it computes what `attend` computes on the rounded values */
+static void attend_half(const float *q, const uint16_t *kb, const uint16_t *vb, int64_t len, int64_t hd,
+                        float scaling, float *p, float *out) {
+    float row[512];
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        from_half(kb + t * hd, row, hd);
+        p[t] = dot(q, row, hd) * scaling;
+        if (p[t] > mx) mx = p[t];
+    }
+    exp_shifted(p, len, mx);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; t++) sum += p[t];
+    for (int64_t j = 0; j < hd; j++) out[j] = 0.f;
+    for (int64_t t = 0; t < len; t++) {
+        const float w = p[t];
+        from_half(vb + t * hd, row, hd);
+        for (int64_t j = 0; j < hd; j++) out[j] += w * row[j];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < hd; j++) out[j] *= inv;
+}
+#endif
+
 #ifdef __AVX512F__
+/* 16 floats of a key or value row at `off`: fp32, or fp16 widened (exact) */
+static inline __m512 load16(const void *base, int64_t off, const int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
+    return _mm512_loadu_ps((const float *)base + off);
+}
+
 /* lane j of the result = the sum of v[j]'s 16 lanes, for 16 vectors at once (a transposing tree: pairs of vectors
  * within 128-bit chunks, then pairs of those, then across chunks). Every v[j] is summed in the same order whatever
  * its position j, so a key's score does not depend on where its block starts. */
@@ -342,9 +387,9 @@ static inline __m512 sum16(const __m512 *v) {
  * 16 vectors reduced together by `sum16` (a horizontal sum per key was most of the attention's time); the softmax's
  * max and sum in vectors; the weighted value sum held in C registers, every value read once. Per row and head the
  * same operations whatever M: rows stay independent. */
-static inline __attribute__((always_inline)) void attend_zmm(const float *q, const float *kb, const float *vb,
+static inline __attribute__((always_inline)) void attend_zmm(const float *q, const void *kb, const void *vb,
                                                              int64_t len, float scaling, float *p, float *out,
-                                                             const int C) {
+                                                             const int C, const int half) {
     __m512 qv[8], acc[8];
     for (int i = 0; i < C; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
     __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -354,9 +399,9 @@ static inline __attribute__((always_inline)) void attend_zmm(const float *q, con
         __m512 v[16];
         for (int u = 0; u < 16; u++) {
             if (u < nk) {
-                const float *k = kb + (t0 + u) * 16 * C;
-                __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-                for (int i = 1; i < C; i++) a = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), a);
+                const int64_t k = (t0 + u) * 16 * C;
+                __m512 a = _mm512_mul_ps(qv[0], load16(kb, k, half));
+                for (int i = 1; i < C; i++) a = _mm512_fmadd_ps(qv[i], load16(kb, k + 16 * i, half), a);
                 v[u] = a;
             } else {
                 v[u] = _mm512_setzero_ps();
@@ -379,21 +424,30 @@ static inline __attribute__((always_inline)) void attend_zmm(const float *q, con
     for (int i = 0; i < C; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
         const __m512 w = _mm512_set1_ps(p[t]);
-        const float *v = vb + t * 16 * C;
-        for (int i = 0; i < C; i++) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), acc[i]);
+        const int64_t v = t * 16 * C;
+        for (int i = 0; i < C; i++) acc[i] = _mm512_fmadd_ps(w, load16(vb, v + 16 * i, half), acc[i]);
     }
     const __m512 inv = _mm512_set1_ps(1.f / sum);
     for (int i = 0; i < C; i++) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], inv));
 }
 #endif
 
-/* one query row of one head: the register version for head dims of 64 and 128 (SmolLM2, Qwen2.5), else `attend` */
-static void attend_head(const float *q, const float *kb, const float *vb, int64_t len, int64_t hd, float scaling,
-                        float *p, float *out) {
+/* one query row of one head over an fp32 (half = 0) or fp16 (half = 1) cache: the register version for head dims of
+ * 64 and 128 (SmolLM2, Qwen2.5), else `attend` / `attend_half` */
+static void attend_head(const float *q, const void *kb, const void *vb, int64_t len, int64_t hd, float scaling,
+                        float *p, float *out, int half) {
 #ifdef __AVX512F__
     if (hd == 64 || hd == 128) {
-        if (hd == 64) attend_zmm(q, kb, vb, len, scaling, p, out, 4);
-        else attend_zmm(q, kb, vb, len, scaling, p, out, 8);
+        if (hd == 64 && half) attend_zmm(q, kb, vb, len, scaling, p, out, 4, 1);
+        else if (hd == 64) attend_zmm(q, kb, vb, len, scaling, p, out, 4, 0);
+        else if (half) attend_zmm(q, kb, vb, len, scaling, p, out, 8, 1);
+        else attend_zmm(q, kb, vb, len, scaling, p, out, 8, 0);
+        return;
+    }
+#endif
+#ifdef __AVX2__
+    if (half) {
+        attend_half(q, kb, vb, len, hd, scaling, p, out);
         return;
     }
 #endif
@@ -401,12 +455,13 @@ static void attend_head(const float *q, const float *kb, const float *vb, int64_
 }
 
 int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, float *hidden, int64_t M,
-                      const float *cos, const float *sin, float *const *kbuf, float *const *vbuf, int64_t start) {
+                      const float *cos, const float *sin, void *const *kbuf, void *const *vbuf, int64_t start) {
 #ifndef __AVX2__
     return 2;
 #else
     const int64_t d = dm->d, H = dm->heads, KV = dm->kv_heads, hd = dm->head_dim, I = dm->inter, cap = dm->cap;
     const int64_t qn = H * hd, kvn = KV * hd, qkvn = qn + 2 * kvn, group = H / KV, end = start + M;
+    const int half = dm->kv_half != 0, width_kv = half ? 2 : 4; /* bytes a cached element takes */
     if (M <= 0 || hd % 8 || H % KV || end > cap) return 1;
     const int64_t width = qkvn > 2 * I ? qkvn : 2 * I;
     float *xn = malloc(sizeof(float) * M * (d > I ? d : I));
@@ -418,7 +473,7 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
     double sq_last = sq_timing ? sq_now() : 0.;
     for (int64_t l = 0; l < n_layers && !rc; l++) {
         const sq_layer *L = layers + l;
-        float *kc = kbuf[l], *vc = vbuf[l];
+        char *kc = kbuf[l], *vc = vbuf[l];
         rms_norm(hidden, L->in_norm, M, d, dm->eps, xn);
         SQ_MARK(0);
         if ((rc = q4(&L->qkv, xn, M, wide))) break;
@@ -433,16 +488,23 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
                 memcpy(row + h * hd, tmp, sizeof(float) * hd);
             }
             for (int64_t h = 0; h < KV; h++) {
-                rotate(row + qn + h * hd, c, s, hd, kc + (h * cap + start + m) * hd);
-                memcpy(vc + (h * cap + start + m) * hd, row + qn + kvn + h * hd, sizeof(float) * hd);
+                const int64_t at = (h * cap + start + m) * hd * width_kv;
+                if (half) {
+                    rotate(row + qn + h * hd, c, s, hd, tmp);
+                    to_half(tmp, (uint16_t *)(kc + at), hd);
+                    to_half(row + qn + kvn + h * hd, (uint16_t *)(vc + at), hd);
+                } else {
+                    rotate(row + qn + h * hd, c, s, hd, (float *)(kc + at));
+                    memcpy(vc + at, row + qn + kvn + h * hd, sizeof(float) * hd);
+                }
             }
         }
         SQ_MARK(2);
 #pragma omp parallel for schedule(static) if (H * M * end > SQ_ATTN_PARALLEL_MIN)
         for (int64_t hm = 0; hm < H * M; hm++) {
             const int64_t h = hm / M, m = hm % M, kvh = h / group;
-            attend_head(wide + m * qkvn + h * hd, kc + kvh * cap * hd, vc + kvh * cap * hd, start + m + 1, hd,
-                   dm->scaling, scores + hm * end, att + m * qn + h * hd);
+            attend_head(wide + m * qkvn + h * hd, kc + kvh * cap * hd * width_kv, vc + kvh * cap * hd * width_kv,
+                        start + m + 1, hd, dm->scaling, scores + hm * end, att + m * qn + h * hd, half);
         }
         SQ_MARK(3);
         if ((rc = q4(&L->o, att, M, proj))) break;

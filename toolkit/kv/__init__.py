@@ -10,7 +10,7 @@ options in toolkit.kv.config); `Int4View` reads a hierarchical INT8 cache as INT
 """
 
 from toolkit.errors import InputError
-from toolkit.kv.config import KINDS, KVQuantConfig, KVSpec
+from toolkit.kv.config import KINDS, KVQuantConfig, KVSpec, fp_storage
 from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.kv.hierarchical import Int4View
 from toolkit.kv.quantized_cache import QuantizedKVCache
@@ -46,5 +46,5 @@ def make_kv_cache(model, max_length: int, kv: KVSpec | None = None):
     precision) says."""
     kv = kv_spec(kv)
     if kv.quant is None:
-        return ContiguousKVCache.for_model(model, max_length)
+        return ContiguousKVCache.for_model(model, max_length, *fp_storage(model, kv))
     return QuantizedKVCache.for_model(model, max_length, kv.quant)

@@ -4,6 +4,8 @@ cache's options), read from the node and checked."""
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from toolkit.errors import InputError
 from toolkit.kv.quantize import ALLOWED_BITS
 from toolkit.model_state import peek
@@ -89,6 +91,11 @@ KINDS = ("fp", "int8", "int4", "int2")
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
+# kv.dtype: what a full-precision cache stores (docs/kv-cache.md "The float cache in 2 bytes"); attention always
+# accumulates in fp32
+FP_DTYPES = ("auto", "fp32", "fp16", "bf16")
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """The `kv` config group (conf/kv/*.yaml) resolved once: the cache's kind and, for a quantized kind, its options
@@ -96,9 +103,16 @@ class KVSpec:
     `make_kv_cache`, the speculative loop, eval, bench, serve and diagnose take the KVSpec it returns."""
     kind: str = "fp"
     quant: KVQuantConfig | None = None
+    # kv=fp only: "auto" = fp16 where the native stack reads the cache (one sequence, fp32 activations), else the
+    # activations' dtype; fp32 / fp16 / bf16 = that, always
+    dtype: str = "auto"
 
     def __post_init__(self):
         check_kind(self.kind, KINDS, "KV cache kind", "kv")
+        check_kind(self.dtype, FP_DTYPES, "full-precision KV cache dtype", "kv.dtype")
+        if self.kind != "fp" and self.dtype != "auto":
+            raise InputError(f"kv.dtype={self.dtype} is for kv=fp; kv={self.kind} stores codes",
+                             "drop kv.dtype, or use kv=fp kv.dtype=" + self.dtype)
         if self.kind == "fp" and self.quant is not None:
             raise InputError("kv=fp has no quantization options", "use kv=int8, int4 or int2")
         if self.kind != "fp":
@@ -121,14 +135,15 @@ class KVSpec:
         values = node_values(node)
         kind = values.pop("kind", "fp")
         check_kind(kind, KINDS, "KV cache kind", "kv")
+        dtype = str(values.pop("dtype", "auto"))
         refuse_unknown(values, (f.name for f in dataclasses.fields(KVQuantConfig)), "kv",
                        f"see conf/kv/{kind if kind != 'fp' else 'int4'}.yaml for what a quantized cache takes")
         if kind == "fp":
-            return cls()  # a full-precision cache has no options: a quantized kind's keys left in the node are moot
+            return cls(dtype=dtype)  # a quantized kind's keys left in the node are moot for a full-precision cache
         bits = int(values.get("bits", _BITS[kind]))
         if bits != _BITS[kind]:
             raise InputError(f"kv={kind} with kv.bits={bits}", f"drop kv.bits or use kv=int{bits}")
-        return cls(kind, KVQuantConfig.from_node({**values, "bits": bits}))
+        return cls(kind, KVQuantConfig.from_node({**values, "bits": bits}), dtype)
 
     @property
     def quantized(self) -> bool:
@@ -140,7 +155,7 @@ class KVSpec:
         return self.quant.residual if self.quant is not None else None
 
     def __str__(self) -> str:
-        return self.kind
+        return self.kind if self.dtype == "auto" else f"{self.kind} {self.dtype}"
 
     def with_rollback(self, depth: int, what: str) -> "KVSpec":
         """This cache's spec for a cache that `what` will crop by up to `depth` tokens at a time (a speculative loop
@@ -158,7 +173,7 @@ class KVSpec:
             return self
         if cfg.rollback >= depth:
             return self
-        return KVSpec(self.kind, dataclasses.replace(cfg, rollback=depth))
+        return dataclasses.replace(self, quant=dataclasses.replace(cfg, rollback=depth))
 
 
 def compute_dtype(model):
@@ -166,3 +181,14 @@ def compute_dtype(model):
     (toolkit.model_state), else its parameters' dtype."""
     precision = peek(model).precision
     return precision.compute if precision is not None else next(model.parameters()).dtype
+
+
+def fp_storage(model, spec: KVSpec) -> tuple[torch.dtype | None, bool]:
+    """(dtype, one_sequence) a full-precision cache for `model` stores its keys and values in, as kv.dtype says
+    (ContiguousKVLayer.storage_dtype): "auto" is fp16 for one sequence on a model the native stack runs in fp32 --
+    its attention reads fp16 in place and decode streams half the bytes -- and the activations' dtype elsewhere."""
+    if spec.dtype != "auto":
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype], False
+    if peek(model).forward == "native" and compute_dtype(model) == torch.float32:
+        return torch.float16, True
+    return None, False

@@ -5,7 +5,8 @@ StaticCache attends over the full preallocated length behind a mask. This cache 
 views of exactly the filled prefix, so a decode step neither copies the past nor reads unused slots.
 
 Interface shared with the quantized and paged caches to come: `update` (append + read, as transformers calls it),
-`crop(length)`, `length`, `nbytes`. Sliding-window layers (Gemma 3) keep their full history here; the sliding mask
+`crop(length)`, `length`, `nbytes`. The buffers may hold a narrower dtype than the activations (`kv.dtype`,
+docs/kv-cache.md "The float cache in 2 bytes"): written rounded, read widened. Sliding-window layers (Gemma 3) keep their full history here; the sliding mask
 built by transformers limits what they attend to, so results are the same at the cost of memory.
 """
 
@@ -39,14 +40,24 @@ class ContiguousKVLayer(CountedKVLayer):
     # while this is unchanged instead of rebuilding them on every call (~60 address reads a SmolLM2 step)
     buffer_epoch = 0
 
-    def __init__(self, max_length: int):
+    def __init__(self, max_length: int, store: torch.dtype | None = None, one_sequence: bool = False):
         super().__init__()
         self.max_length = max_length
         self.length = 0
+        self.store, self.store_one_sequence = store, one_sequence
+
+    def storage_dtype(self, batch: int, states: torch.dtype) -> torch.dtype:
+        """What the buffers hold: `store` where set (with `one_sequence`, kv.dtype=auto's rule, only for a batch of
+        one: what the native stack reads in place; a batch runs torch's attention, which would widen a copy of
+        the whole cache every step), else the keys' and values' own dtype."""
+        if self.store is None or (self.store_one_sequence and batch != 1):
+            return states
+        return self.store
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, k_dim = key_states.shape
-        self.allocate(batch, heads, k_dim, value_states.shape[-1], key_states.dtype, key_states.device)
+        self.allocate(batch, heads, k_dim, value_states.shape[-1], self.storage_dtype(batch, key_states.dtype),
+                      key_states.device)
 
     def allocate(self, batch: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -65,6 +76,8 @@ class ContiguousKVLayer(CountedKVLayer):
         self.advance(key_states.shape[-2])  # checks the room first, then counts the slots written below
         self.key_buffer[:, :, start:self.length] = key_states
         self.value_buffer[:, :, start:self.length] = value_states
+        if self.key_buffer.dtype != key_states.dtype:  # a narrower store: attention reads the rounded values, widened
+            return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         return self.keys, self.values
 
     def advance(self, n: int) -> None:
@@ -156,13 +169,16 @@ class LayeredKVCache(Cache):
 
 
 class ContiguousKVCache(LayeredKVCache):
-    """A full-precision KV cache for `num_layers` layers and up to `max_length` tokens per sequence."""
+    """A full-precision KV cache for `num_layers` layers and up to `max_length` tokens per sequence; `store`,
+    `one_sequence`: the buffers' dtype (ContiguousKVLayer.storage_dtype; None = the activations')."""
 
-    def __init__(self, num_layers: int, max_length: int):
-        super().__init__(layers=[ContiguousKVLayer(max_length) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, max_length: int, store: torch.dtype | None = None,
+                 one_sequence: bool = False):
+        super().__init__(layers=[ContiguousKVLayer(max_length, store, one_sequence) for _ in range(num_layers)])
         self.max_length = max_length
 
     @classmethod
-    def for_model(cls, model, max_length: int) -> "ContiguousKVCache":
+    def for_model(cls, model, max_length: int, store: torch.dtype | None = None,
+                  one_sequence: bool = False) -> "ContiguousKVCache":
         config = model.config.get_text_config(decoder=True)
-        return cls(config.num_hidden_layers, max_length)
+        return cls(config.num_hidden_layers, max_length, store, one_sequence)
