@@ -32,7 +32,8 @@
 # - beside llama.cpp, medians (where llama-cpp-python imports; LLAMACPP=0 skips it): the float model at
 #   engine.native_dot=fp32 and bf16, each int4/int8 checkpoint at fp32 and int8, after 128- and 512-token open
 #   prompts (64 new tokens); speculation (lookup on grounded prompts, self-draft on open ones for the float model,
-#   lookup for each int4/int8 checkpoint at its fastest precision) against llama.cpp's plain decode; 3 prompts x 3
+#   lookup for each int4/int8 checkpoint at its fastest precision) against llama.cpp's plain decode; one 4,000-token
+#   prompt (32 new tokens) for the float model and each checkpoint at int8 activations; 3 prompts (1 at 4,000) x 3
 #   repeats each, a ratio per repeat, the median in BENCHMARKS.md's "Beside llama.cpp" table and the README
 #   (toolkit/report/llamacpp.py). Tagged +bench=llamacpp, so they stay out of the main table's rows.
 #
@@ -125,18 +126,23 @@ fi
 stamp "latency"
 
 if [[ $PEERS == *llamacpp* && ${LLAMACPP:-1} == 1 ]]; then
-  SIDE=(baseline=llamacpp n_prompts=3 "repeats=${SIDE_REPEATS:-3}" warmup=1 +bench=llamacpp "+store=$STORE")
+  SIDE=(baseline=llamacpp "repeats=${SIDE_REPEATS:-3}" warmup=1 +bench=llamacpp "+store=$STORE")
   specquant bench -m "model=$MODEL" engine.native_dot=fp32,bf16 kv=fp spec=none prompts=open prompt_tokens=128,512 \
-    new_tokens=64 "${SIDE[@]}" ${EXTRA:-} || echo "== sweep: a float llama.cpp side-by-side failed (see above)"
-  specquant bench "model=$MODEL" kv=fp spec=lookup prompts=grounded prompt_tokens=256 new_tokens=128 "${SIDE[@]}" \
+    new_tokens=64 n_prompts=3 "${SIDE[@]}" ${EXTRA:-} || echo "== sweep: a float llama.cpp side-by-side failed (see above)"
+  specquant bench "model=$MODEL" kv=fp spec=lookup prompts=grounded prompt_tokens=256 new_tokens=128 n_prompts=3 "${SIDE[@]}" \
     ${EXTRA:-}
-  specquant bench "model=$MODEL" kv=fp spec=self prompts=open prompt_tokens=128 new_tokens=128 "${SIDE[@]}" ${EXTRA:-}
+  specquant bench "model=$MODEL" kv=fp spec=self prompts=open prompt_tokens=128 new_tokens=128 n_prompts=3 "${SIDE[@]}" ${EXTRA:-}
+  # long context: one 4,000-token prompt (kv=fp: fp16 on an AVX512 CPU, as llama.cpp's f16 cache)
+  specquant bench "model=$MODEL" kv=fp spec=none prompts=open prompt_tokens=4000 new_tokens=32 n_prompts=1 \
+    "${SIDE[@]}" ${EXTRA:-}
   for dir in "${int8act[@]}"; do
     specquant bench -m "model=$dir" engine.native_dot=fp32,int8 kv=fp spec=none prompts=open prompt_tokens=128,512 \
-      new_tokens=64 "${SIDE[@]}" ${EXTRA:-} || echo "== sweep: a llama.cpp side-by-side of $dir failed (see above)"
+      new_tokens=64 n_prompts=3 "${SIDE[@]}" ${EXTRA:-} || echo "== sweep: a llama.cpp side-by-side of $dir failed (see above)"
+    specquant bench "model=$dir" engine.native_dot=int8 kv=fp spec=none prompts=open prompt_tokens=4000 new_tokens=32 \
+      n_prompts=1 "${SIDE[@]}" ${EXTRA:-} || echo "== sweep: no 4,000-token run of $dir (see above)"
     specquant bench "model=$dir" engine.native_dot=int8 kv=fp spec=lookup prompts=grounded prompt_tokens=256 \
-      new_tokens=128 "${SIDE[@]}" ${EXTRA:-} || specquant bench "model=$dir" kv=fp spec=lookup prompts=grounded \
-      prompt_tokens=256 new_tokens=128 "${SIDE[@]}" ${EXTRA:-}
+      new_tokens=128 n_prompts=3 "${SIDE[@]}" ${EXTRA:-} || specquant bench "model=$dir" kv=fp spec=lookup prompts=grounded \
+      prompt_tokens=256 new_tokens=128 n_prompts=3 "${SIDE[@]}" ${EXTRA:-}
   done
   stamp "beside llama.cpp"
 fi

@@ -52,10 +52,13 @@ def _store(model, kv, batch=1):
 
 
 def test_auto_is_fp16_for_one_sequence_on_the_native_stack_and_explicit_dtypes_hold(engine_model):
+    from toolkit import cpu
+
     model, _ = engine_model
     if peek(model).forward != "native":
         pytest.skip("the native stack does not run here")
-    assert _store(model, KVSpec()) == torch.float16
+    # AVX512 widens fp16 in registers; on AVX2 the tile it widens into first costs more than the bytes saved
+    assert _store(model, KVSpec()) == (torch.float16 if cpu.isa() in ("avx512", "amx") else torch.float32)
     assert _store(model, KVSpec(), batch=2) == torch.float32
     assert _store(model, KVSpec(dtype="fp32")) == torch.float32
     assert _store(model, KVSpec(dtype="bf16"), batch=2) == torch.bfloat16  # torch's attention reads it widened

@@ -162,6 +162,38 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(native_model, store):
     assert torch.equal(together, apart)
 
 
+@pytest.mark.parametrize("store", STORES)
+def test_attention_split_along_the_tokens_keeps_rows_independent_and_matches_torch(native_model, store):
+    """Past 256 tokens the stack's attention runs in chunks of keys, merged per row (decoder_layers.c,
+    SQ_KV_CHUNK): a pass whose rows straddle a chunk boundary gives each row exactly what one-row steps give, and
+    the logits at ~500 tokens of context stay the torch path's within rounding."""
+    from toolkit.quant.qlinear import exact_prefill
+
+    torch.manual_seed(1)
+    ids = torch.randint(4, native_model.config.vocab_size, (1, 500))
+    logits = {}
+    for name, forward in (("native", native_model.forward), ("torch", LeanForward(native_model, native=False))):
+        cache = ContiguousKVCache.for_model(native_model, 512, store)
+        # exact_prefill: the torch path's int8 layers keep fp32 activations on many-row pieces too (the stack does)
+        with torch.inference_mode(), exact_prefill():
+            for start in range(0, 250, 50):  # prompts in pieces: the stack runs each (or the torch path does)
+                forward(input_ids=ids[:, start:start + 50], cache=cache, use_cache=True)
+            together = forward(input_ids=ids[:, 250:259], cache=cache, use_cache=True).logits[0]
+            if name == "native":
+                cache.crop(250)
+                apart = torch.cat([forward(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits[0]
+                                   for i in range(250, 259)])
+                assert torch.equal(together, apart)
+            for start in range(259, 490, 77):
+                forward(input_ids=ids[:, start:start + 77], cache=cache, use_cache=True)
+            logits[name] = forward(input_ids=ids[:, 490:491], cache=cache, use_cache=True).logits[0]
+    if native_model.specquant_test_kind == "bf16":
+        return  # its products round to bf16: the comparison above (rows) is the one that holds exactly
+    bound = 1e-4 if store is None else 2e-3
+    a, b = logits["native"], logits["torch"]
+    assert (a - b).abs().max() <= bound * b.abs().max(), (a - b).abs().max() / b.abs().max()
+
+
 def test_one_token_is_the_general_call_bit_for_bit(native_model, monkeypatch):
     """`LeanForward.one_token` (a drafted token's step without the call's tensors around it) gives the logits and
     the cache contents of the general call, bit for bit, and so do RaggedBatch's one-token feed and the engine's

@@ -25,6 +25,7 @@
  * q (heads*head_dim) | k (kv_heads*head_dim) | v; gate,up's are gate (inter) | up (inter).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -300,9 +301,18 @@ static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
 }
 #endif
 
-/* one query row of one head over keys/values 0..len-1: softmax(q.K * scaling) V into out[hd]; p: len floats */
+/* Attention runs in chunks of SQ_KV_CHUNK keys (flash-decoding): each (chunk, head) is a task for the OpenMP
+ * threads, so a one-row decode step at long context splits along the tokens over every core, and the heads that
+ * share a key/value head take its chunk one after another while it is in cache. A task leaves, per query row, a
+ * partial: the chunk's scores' max, the sum of their exponentials and the unnormalized weighted value sum; `combine`
+ * merges a row's partials in chunk order. Chunk boundaries are fixed positions, so a row's result does not depend
+ * on the rows beside it (row independence, above), nor on the thread count. */
+#define SQ_KV_CHUNK 256
+
+/* one query row of one head over keys/values 0..len-1 (len <= SQ_KV_CHUNK): into res[hd + 2] the unnormalized
+ * sum of exp(s - max) V, then max and the sum of exp(s - max), s = q.K * scaling; p: len floats */
 static void attend(const float *q, const float *kb, const float *vb, int64_t len, int64_t hd, float scaling,
-                   float *p, float *out) {
+                   float *p, float *res) {
     float mx = -INFINITY;
     for (int64_t t = 0; t < len; t++) {
         p[t] = dot(q, kb + t * hd, hd) * scaling;
@@ -311,13 +321,31 @@ static void attend(const float *q, const float *kb, const float *vb, int64_t len
     exp_shifted(p, len, mx);
     float sum = 0.f;
     for (int64_t t = 0; t < len; t++) sum += p[t];
-    for (int64_t j = 0; j < hd; j++) out[j] = 0.f;
+    for (int64_t j = 0; j < hd; j++) res[j] = 0.f;
     for (int64_t t = 0; t < len; t++) {
         const float w = p[t];
         const float *v = vb + t * hd;
-        for (int64_t j = 0; j < hd; j++) out[j] += w * v[j];
+        for (int64_t j = 0; j < hd; j++) res[j] += w * v[j];
     }
-    const float inv = 1.f / sum;
+    res[hd] = mx;
+    res[hd + 1] = sum;
+}
+
+/* a row's partials parts[n][hd + 2] (chunk order) merged: softmax(q.K * scaling) V over all its keys into out[hd] */
+static void combine(const float *parts, int64_t n, int64_t hd, float *out) {
+    const int64_t stride = hd + 2;
+    float top = -INFINITY;
+    for (int64_t c = 0; c < n; c++)
+        if (parts[c * stride + hd] > top) top = parts[c * stride + hd];
+    float den = 0.f;
+    for (int64_t j = 0; j < hd; j++) out[j] = 0.f;
+    for (int64_t c = 0; c < n; c++) {
+        const float *part = parts + c * stride;
+        const float w = expf(part[hd] - top);
+        den += w * part[hd + 1];
+        for (int64_t j = 0; j < hd; j++) out[j] += w * part[j];
+    }
+    const float inv = 1.f / den;
     for (int64_t j = 0; j < hd; j++) out[j] *= inv;
 }
 
@@ -332,29 +360,6 @@ static inline void from_half(const uint16_t *x, float *out, int64_t n) {
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
 }
 
-/* `attend` over an fp16 cache: each key and value row widened to fp32 first, then the same operations in the same
- * order (widening is exact), so it computes what `attend` computes on the rounded values */
-static void attend_half(const float *q, const uint16_t *kb, const uint16_t *vb, int64_t len, int64_t hd,
-                        float scaling, float *p, float *out) {
-    float row[512];
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < len; t++) {
-        from_half(kb + t * hd, row, hd);
-        p[t] = dot(q, row, hd) * scaling;
-        if (p[t] > mx) mx = p[t];
-    }
-    exp_shifted(p, len, mx);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; t++) sum += p[t];
-    for (int64_t j = 0; j < hd; j++) out[j] = 0.f;
-    for (int64_t t = 0; t < len; t++) {
-        const float w = p[t];
-        from_half(vb + t * hd, row, hd);
-        for (int64_t j = 0; j < hd; j++) out[j] += w * row[j];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < hd; j++) out[j] *= inv;
-}
 #endif
 
 #ifdef __AVX512F__
@@ -383,12 +388,12 @@ static inline __m512 sum16(const __m512 *v) {
                          _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* `attend` for a head dim of C * 16 floats. Scores 16 keys at a time: each key's q.k as C FMAs into one vector, the
+/* `attend` (a partial) for a head dim of C * 16 floats. Scores 16 keys at a time: each key's q.k as C FMAs into one vector, the
  * 16 vectors reduced together by `sum16` (a horizontal sum per key was most of the attention's time); the softmax's
  * max and sum in vectors; the weighted value sum held in C registers, every value read once. Per row and head the
  * same operations whatever M: rows stay independent. */
 static inline __attribute__((always_inline)) void attend_zmm(const float *q, const void *kb, const void *vb,
-                                                             int64_t len, float scaling, float *p, float *out,
+                                                             int64_t len, float scaling, float *p, float *res,
                                                              const int C, const int half) {
     __m512 qv[8], acc[8];
     for (int i = 0; i < C; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
@@ -427,31 +432,43 @@ static inline __attribute__((always_inline)) void attend_zmm(const float *q, con
         const int64_t v = t * 16 * C;
         for (int i = 0; i < C; i++) acc[i] = _mm512_fmadd_ps(w, load16(vb, v + 16 * i, half), acc[i]);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / sum);
-    for (int i = 0; i < C; i++) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], inv));
+    for (int i = 0; i < C; i++) _mm512_storeu_ps(res + 16 * i, acc[i]);
+    res[16 * C] = top;
+    res[16 * C + 1] = sum;
 }
 #endif
 
-/* one query row of one head over an fp32 (half = 0) or fp16 (half = 1) cache: the register version for head dims of
- * 64 and 128 (SmolLM2, Qwen2.5), else `attend` / `attend_half` */
+/* one query row of one head over one chunk of an fp32 (half = 0) or fp16 (half = 1) cache, a partial into res: the
+ * register version for head dims of 64 and 128 (SmolLM2, Qwen2.5), fp16 widened as it is loaded; else `attend` on
+ * fp32 rows (`tile`: hd floats of scratch) */
 static void attend_head(const float *q, const void *kb, const void *vb, int64_t len, int64_t hd, float scaling,
-                        float *p, float *out, int half) {
+                        float *p, float *res, int half, float *tile) {
 #ifdef __AVX512F__
     if (hd == 64 || hd == 128) {
-        if (hd == 64 && half) attend_zmm(q, kb, vb, len, scaling, p, out, 4, 1);
-        else if (hd == 64) attend_zmm(q, kb, vb, len, scaling, p, out, 4, 0);
-        else if (half) attend_zmm(q, kb, vb, len, scaling, p, out, 8, 1);
-        else attend_zmm(q, kb, vb, len, scaling, p, out, 8, 0);
+        if (hd == 64 && half) attend_zmm(q, kb, vb, len, scaling, p, res, 4, 1);
+        else if (hd == 64) attend_zmm(q, kb, vb, len, scaling, p, res, 4, 0);
+        else if (half) attend_zmm(q, kb, vb, len, scaling, p, res, 8, 1);
+        else attend_zmm(q, kb, vb, len, scaling, p, res, 8, 0);
         return;
     }
 #endif
-#ifdef __AVX2__
-    if (half) {
-        attend_half(q, kb, vb, len, hd, scaling, p, out);
-        return;
+    if (half) { /* widened once for the chunk into `tile` (exact), then the fp32 code */
+        from_half((const uint16_t *)kb, tile, len * hd);
+        from_half((const uint16_t *)vb, tile + SQ_KV_CHUNK * hd, len * hd);
+        kb = tile;
+        vb = tile + SQ_KV_CHUNK * hd;
     }
+    attend(q, kb, vb, len, hd, scaling, p, res);
+}
+
+/* whether `attend_head` reads an fp16 chunk in place (the register version), or needs a tile to widen it into */
+static int widens_as_loaded(int64_t hd) {
+#ifdef __AVX512F__
+    return hd == 64 || hd == 128;
+#else
+    (void)hd;
+    return 0;
 #endif
-    attend(q, kb, vb, len, hd, scaling, p, out);
 }
 
 int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, float *hidden, int64_t M,
@@ -468,8 +485,11 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
     float *wide = malloc(sizeof(float) * M * width);
     float *att = malloc(sizeof(float) * M * qn);
     float *proj = malloc(sizeof(float) * M * d);
-    float *scores = malloc(sizeof(float) * H * M * end);
-    int rc = (!xn || !wide || !att || !proj || !scores) ? 3 : 0;
+    const int64_t chunks = (end + SQ_KV_CHUNK - 1) / SQ_KV_CHUNK, stride = hd + 2;
+    float *parts = malloc(sizeof(float) * H * M * chunks * stride); /* [H][M][chunks][hd + 2]: `attend`'s partials */
+    /* per thread, a chunk's keys and values widened from fp16 (head dims `attend_zmm` does not widen as it loads) */
+    float *tiles = half && !widens_as_loaded(hd) ? malloc(sizeof(float) * omp_get_max_threads() * 2 * SQ_KV_CHUNK * hd) : NULL;
+    int rc = (!xn || !wide || !att || !proj || !parts || (half && !widens_as_loaded(hd) && !tiles)) ? 3 : 0;
     double sq_last = sq_timing ? sq_now() : 0.;
     for (int64_t l = 0; l < n_layers && !rc; l++) {
         const sq_layer *L = layers + l;
@@ -500,11 +520,25 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
             }
         }
         SQ_MARK(2);
+        /* tasks (chunk, head), heads inner: the query heads sharing a key/value head (GQA) read its chunk back to
+         * back, while it is in cache */
 #pragma omp parallel for schedule(static) if (H * M * end > SQ_ATTN_PARALLEL_MIN)
+        for (int64_t ch = 0; ch < chunks * H; ch++) {
+            const int64_t c = ch / H, h = ch % H, kvh = h / group, t0 = c * SQ_KV_CHUNK;
+            const char *kh = kc + (kvh * cap + t0) * hd * width_kv, *vh = vc + (kvh * cap + t0) * hd * width_kv;
+            float p[SQ_KV_CHUNK];
+            float *tile = tiles ? tiles + (int64_t)omp_get_thread_num() * 2 * SQ_KV_CHUNK * hd : NULL;
+            for (int64_t m = 0; m < M; m++) {
+                const int64_t len = start + m + 1 - t0; /* this row's keys from t0 on */
+                if (len <= 0) continue;
+                attend_head(wide + m * qkvn + h * hd, kh, vh, len < SQ_KV_CHUNK ? len : SQ_KV_CHUNK, hd,
+                            dm->scaling, p, parts + ((h * M + m) * chunks + c) * stride, half, tile);
+            }
+        }
+#pragma omp parallel for schedule(static) if (H * M * chunks * hd > SQ_ATTN_PARALLEL_MIN * 64)
         for (int64_t hm = 0; hm < H * M; hm++) {
-            const int64_t h = hm / M, m = hm % M, kvh = h / group;
-            attend_head(wide + m * qkvn + h * hd, kc + kvh * cap * hd * width_kv, vc + kvh * cap * hd * width_kv,
-                        start + m + 1, hd, dm->scaling, scores + hm * end, att + m * qn + h * hd, half);
+            const int64_t h = hm / M, m = hm % M, n = (start + m + SQ_KV_CHUNK) / SQ_KV_CHUNK;
+            combine(parts + hm * chunks * stride, n, hd, att + m * qn + h * hd);
         }
         SQ_MARK(3);
         if ((rc = q4(&L->o, att, M, proj))) break;
@@ -529,7 +563,8 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
     free(wide);
     free(att);
     free(proj);
-    free(scores);
+    free(parts);
+    free(tiles);
     return rc;
 #endif
 }

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit import cpu
 from toolkit.errors import InputError
 from toolkit.kv.quantize import ALLOWED_BITS
 from toolkit.model_state import peek
@@ -185,10 +186,13 @@ def compute_dtype(model):
 
 def fp_storage(model, spec: KVSpec) -> tuple[torch.dtype | None, bool]:
     """(dtype, one_sequence) a full-precision cache for `model` stores its keys and values in, as kv.dtype says
-    (ContiguousKVLayer.storage_dtype): "auto" is fp16 for one sequence on a model the native stack runs in fp32 --
-    its attention reads fp16 in place and decode streams half the bytes -- and the activations' dtype elsewhere."""
+    (ContiguousKVLayer.storage_dtype): "auto" is fp16 for one sequence on a model the native stack runs in fp32 on
+    an AVX512 CPU -- its attention widens fp16 in registers as it loads, and decode streams half the bytes -- and
+    the activations' dtype elsewhere. (On AVX2 the stack widens each chunk into a tile first, which cost more than
+    the bytes saved: docs/notes/2026-12-07-kv-fp16-attention.md.)"""
     if spec.dtype != "auto":
         return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype], False
-    if peek(model).forward == "native" and compute_dtype(model) == torch.float32:
+    if (peek(model).forward == "native" and compute_dtype(model) == torch.float32
+            and cpu.isa() in ("avx512", "amx")):
         return torch.float16, True
     return None, False
