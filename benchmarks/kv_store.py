@@ -66,7 +66,7 @@ def main() -> None:
               f"{r['times_floor']:7.2f}  {ratio}")
     if args.out:
         write_json_atomic(args.out, {"model": loaded.name, "native_dot": args.native_dot, "machine": facts,
-                                     "rows": rows}, indent=1)
+                                     "rows": rows})
 
 
 if __name__ == "__main__":

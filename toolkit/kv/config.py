@@ -104,8 +104,8 @@ class KVSpec:
     `make_kv_cache`, the speculative loop, eval, bench, serve and diagnose take the KVSpec it returns."""
     kind: str = "fp"
     quant: KVQuantConfig | None = None
-    # kv=fp only: "auto" = fp16 where the native stack reads the cache (one sequence, fp32 activations), else the
-    # activations' dtype; fp32 / fp16 / bf16 = that, always
+    # kv=fp only: "auto" = fp16 where the native stack reads the cache (one sequence, fp32 activations, an AVX512
+    # CPU: `fp_storage`), else the activations' dtype; fp32 / fp16 / bf16 = that, always
     dtype: str = "auto"
 
     def __post_init__(self):
