@@ -20,9 +20,9 @@
  * target's.
  *
  * Layouts: hidden [M, d] fp32 (updated in place); cos, sin [M, head_dim] (transformers' rotary tables for the rows'
- * positions); each layer's keys and values in [kv_heads, cap, head_dim] fp32 or fp16 buffers (a ContiguousKVLayer's
- * buffers for batch 1; `kv_half`), the new rows written at slots start .. start+M-1. The fused q,k,v product's columns are
- * q (heads*head_dim) | k (kv_heads*head_dim) | v; gate,up's are gate (inter) | up (inter).
+ * positions); each layer's keys and values in [kv_heads, cap, head_dim] fp32 or fp16 buffers (a
+ * ContiguousKVLayer's buffers for batch 1; `kv_half`), the new rows written at slots start .. start+M-1. The fused
+ * q,k,v product's columns are q (heads*head_dim) | k (kv_heads*head_dim) | v; gate,up's are gate (inter) | up (inter).
  */
 #include <math.h>
 #include <omp.h>
@@ -388,10 +388,10 @@ static inline __m512 sum16(const __m512 *v) {
                          _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* `attend` (a partial) for a head dim of C * 16 floats. Scores 16 keys at a time: each key's q.k as C FMAs into one vector, the
- * 16 vectors reduced together by `sum16` (a horizontal sum per key was most of the attention's time); the softmax's
- * max and sum in vectors; the weighted value sum held in C registers, every value read once. Per row and head the
- * same operations whatever M: rows stay independent. */
+/* `attend` (a partial) for a head dim of C * 16 floats. Scores 16 keys at a time: each key's q.k as C FMAs into one
+ * vector, the 16 vectors reduced together by `sum16` (a horizontal sum per key was most of the attention's time);
+ * the softmax's max and sum in vectors; the weighted value sum held in C registers, every value read once. Per row
+ * and head the same operations whatever M: rows stay independent. */
 static inline __attribute__((always_inline)) void attend_zmm(const float *q, const void *kb, const void *vb,
                                                              int64_t len, float scaling, float *p, float *res,
                                                              const int C, const int half) {
@@ -440,7 +440,7 @@ static inline __attribute__((always_inline)) void attend_zmm(const float *q, con
 
 /* one query row of one head over one chunk of an fp32 (half = 0) or fp16 (half = 1) cache, a partial into res: the
  * register version for head dims of 64 and 128 (SmolLM2, Qwen2.5), fp16 widened as it is loaded; else `attend` on
- * fp32 rows (`tile`: hd floats of scratch) */
+ * fp32 rows (an fp16 chunk widened first into `tile`: 2 * SQ_KV_CHUNK * hd floats, keys then values) */
 static void attend_head(const float *q, const void *kb, const void *vb, int64_t len, int64_t hd, float scaling,
                         float *p, float *res, int half, float *tile) {
 #ifdef __AVX512F__
@@ -488,8 +488,9 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
     const int64_t chunks = (end + SQ_KV_CHUNK - 1) / SQ_KV_CHUNK, stride = hd + 2;
     float *parts = malloc(sizeof(float) * H * M * chunks * stride); /* [H][M][chunks][hd + 2]: `attend`'s partials */
     /* per thread, a chunk's keys and values widened from fp16 (head dims `attend_zmm` does not widen as it loads) */
-    float *tiles = half && !widens_as_loaded(hd) ? malloc(sizeof(float) * omp_get_max_threads() * 2 * SQ_KV_CHUNK * hd) : NULL;
-    int rc = (!xn || !wide || !att || !proj || !parts || (half && !widens_as_loaded(hd) && !tiles)) ? 3 : 0;
+    const int tiled = half && !widens_as_loaded(hd);
+    float *tiles = tiled ? malloc(sizeof(float) * omp_get_max_threads() * 2 * SQ_KV_CHUNK * hd) : NULL;
+    int rc = (!xn || !wide || !att || !proj || !parts || (tiled && !tiles)) ? 3 : 0;
     double sq_last = sq_timing ? sq_now() : 0.;
     for (int64_t l = 0; l < n_layers && !rc; l++) {
         const sq_layer *L = layers + l;

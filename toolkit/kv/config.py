@@ -188,8 +188,8 @@ def fp_storage(model, spec: KVSpec) -> tuple[torch.dtype | None, bool]:
     """(dtype, one_sequence) a full-precision cache for `model` stores its keys and values in, as kv.dtype says
     (ContiguousKVLayer.storage_dtype): "auto" is fp16 for one sequence on a model the native stack runs in fp32 on
     an AVX512 CPU -- its attention widens fp16 in registers as it loads, and decode streams half the bytes -- and
-    the activations' dtype elsewhere. (On AVX2 the stack widens each chunk into a tile first, which cost more than
-    the bytes saved: docs/notes/2026-12-07-kv-fp16-attention.md.)"""
+    the activations' dtype elsewhere. (On AVX2 the stack widens each chunk into a tile first, which costs more than
+    the bytes save: docs/kv-cache.md "The float cache in 2 bytes".)"""
     if spec.dtype != "auto":
         return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype], False
     if (peek(model).forward == "native" and compute_dtype(model) == torch.float32

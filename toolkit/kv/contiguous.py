@@ -6,8 +6,9 @@ views of exactly the filled prefix, so a decode step neither copies the past nor
 
 Interface shared with the quantized and paged caches to come: `update` (append + read, as transformers calls it),
 `crop(length)`, `length`, `nbytes`. The buffers may hold a narrower dtype than the activations (`kv.dtype`,
-docs/kv-cache.md "The float cache in 2 bytes"): written rounded, read widened. Sliding-window layers (Gemma 3) keep their full history here; the sliding mask
-built by transformers limits what they attend to, so results are the same at the cost of memory.
+docs/kv-cache.md "The float cache in 2 bytes"): written rounded, read widened. Sliding-window layers (Gemma 3)
+keep their full history here; the sliding mask built by transformers limits what they attend to, so results are
+the same at the cost of memory.
 """
 
 import torch
