@@ -78,3 +78,15 @@ def test_speculative_output_over_an_fp16_cache_is_the_target_alone(engine_model)
                                     DraftLength(k=4), stop_tokens=set(), kv=kv)
         assert spec.sequences[0].token_ids == alone.sequences[0].token_ids, kv
         assert spec.stats.accepted > 0
+
+
+def test_a_narrower_float_cache_is_a_configuration_of_its_own_in_the_report():
+    from toolkit.report.rows import config_key
+
+    bench = {"kind": "bench", "config": {"model": {"name": "m"}, "kv": {"kind": "fp", "dtype": "fp16"},
+                                         "spec": {"kind": "none"}}}
+    evaluation = {"kind": "eval", "kv": "fp fp16", "config": {"model": {"name": "m"},
+                                                             "kv": {"kind": "fp", "dtype": "fp16"}}}
+    default = {"kind": "bench", "config": {"model": {"name": "m"}, "kv": {"kind": "fp", "dtype": "auto"}}}
+    assert config_key(bench)[1] == config_key(evaluation)[1] == "fp fp16" == str(KVSpec(dtype="fp16"))
+    assert config_key(default)[1] == "fp"

@@ -19,7 +19,7 @@ from toolkit.engine.generate import encode_prompts
 from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
 from toolkit.evaluation.generation import token_agreement
-from toolkit.kv import KVSpec
+from toolkit.kv import KVSpec, fp_storage
 from toolkit.model_state import peek
 from toolkit.spec.build import build_draft
 
@@ -39,8 +39,10 @@ def base_command(cfg) -> str:
 
 
 def cache_bytes_per_token(model, kv: KVSpec, context: int, dtype: torch.dtype) -> float:
+    """Bytes a token takes in one sequence's cache, as stored (kv=fp: kv.dtype, fp16 under `auto` where the native
+    stack reads it; docs/kv-cache.md)."""
     if not kv.quantized:
-        return kv_bytes_per_token(model, dtype)
+        return kv_bytes_per_token(model, fp_storage(model, kv)[0] or dtype)
     return sequence_kv_bytes(model, kv.kind, context, dtype, kv) / context
 
 

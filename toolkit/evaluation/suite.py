@@ -2,9 +2,9 @@
 
 Tasks: `ppl` (perplexity), `kl` (KL divergence and top-1 agreement; same windows and passes as ppl, so asking for
 either computes both), `cloze`, `mc`, `gen`. A full-precision KV cache in the activations' dtype hands back exactly
-what was stored, so with kv=fp perplexity windows run as plain forward passes; with a quantized kind, or kv.dtype=fp16
-or bf16 (a narrower store), they are fed `chunk` tokens at a time. Cloze/mc passages are prefilled into the cache once and their continuations read them back, whatever the
-kind (see forward.py, continuation.py)."""
+what was stored, so with kv=fp perplexity windows run as plain forward passes; with a quantized kind, or
+kv.dtype=fp16 or bf16 (a narrower store), they are fed `chunk` tokens at a time. Cloze/mc passages are prefilled
+into the cache once and their continuations read them back, whatever the kind (see forward.py, continuation.py)."""
 
 import time
 from dataclasses import asdict, dataclass

@@ -33,10 +33,10 @@ def config_key(result: dict) -> tuple[str, str, str, str]:
     """(model, kv, spec, engine variant): what identifies a configuration across eval and bench results."""
     model = (result.get("config") or {}).get("model", {}).get("name") or result.get("model") or "?"
     kv = result.get("kv") or _config_part(result, "kv", "fp")
-    dtype = ((result.get("config") or {}).get("kv") or {}).get("dtype") if isinstance(
-        (result.get("config") or {}).get("kv"), dict) else None
-    if dtype not in (None, "auto") and not str(kv).endswith(dtype):  # kv.dtype=fp32: a cache of its own (KVSpec's name)
-        kv = f"{kv} {dtype}"
+    node = (result.get("config") or {}).get("kv")
+    dtype = node.get("dtype") if isinstance(node, dict) else None
+    if dtype not in (None, "auto") and not str(kv).endswith(dtype):  # kv.dtype=fp16: a cache of its own, as KVSpec
+        kv = f"{kv} {dtype}"  # names it ("fp fp16"; eval results already carry that name)
     spec = _config_part(result, "spec", "none")
     return str(model), str(kv), str(spec), engine_variant(result)
 
