@@ -22,12 +22,11 @@ from toolkit.model_state import peek
 from toolkit.timing import GenerationTiming, RssSampler, percentiles
 
 
-def decode_floor(model, kv_dtype: torch.dtype, context_tokens: float, bandwidth: float,
-                 kv_per_token: float | None = None) -> dict:
+def decode_floor(model, kv_per_token: float, context_tokens: float, bandwidth: float) -> dict:
     """The fastest a decode step can be if it only had to stream its bytes at the measured bandwidth: the weights,
-    and the KV cache at `kv_dtype` -- or, given, `kv_per_token` bytes a token as the cache stored them."""
+    and `kv_per_token` bytes of KV cache for each token of context."""
     weights = weight_bytes_per_token(model)
-    kv = (kv_per_token if kv_per_token is not None else kv_bytes_per_token(model, kv_dtype)) * context_tokens
+    kv = kv_per_token * context_tokens
     seconds = (weights + kv) / bandwidth
     return {"weight_bytes": weights, "kv_bytes_at_mean_context": int(kv), "floor_ms": seconds * 1e3,
             "floor_tokens_per_s": 1 / seconds}
@@ -112,8 +111,10 @@ def _path_summary(model, timings, peak_mb, mean_context, bandwidth, kv_per_token
     compute dtype's (transformers' cache)."""
     precision = model_precision(model)
     label = peek(model).quant_label
+    if kv_per_token is None:
+        kv_per_token = kv_bytes_per_token(model, precision.compute)
     summary = summarize(timings, peak_mb, **extra, dtype=f"{label} + {precision.name}" if label else precision.name,
-                        decode_floor=decode_floor(model, precision.compute, mean_context, bandwidth, kv_per_token))
+                        decode_floor=decode_floor(model, kv_per_token, mean_context, bandwidth))
     # How many times slower than the bandwidth floor the measured decode step is (1.0 = at the floor).
     summary["decode_floor"]["times_floor"] = summary["decode_floor"]["floor_tokens_per_s"] / summary["decode_tokens_per_s"]
     return summary

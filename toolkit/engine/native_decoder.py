@@ -374,7 +374,7 @@ class NativeDecoder:
         # (a 512-token SmolLM2 prompt: fp16 835 -> 623 ms, bf16 751 -> 437 ms, int8 953 -> 620 ms, and exact where
         # the torch path quantized an int8 layer's activations per row; docs/engine.md "Where a short prompt's time
         # goes"), so a stack without int4 fp32 products runs prompts up to W4A8_MAX_ROWS rows (the bound of its
-        # per-call scratch: scores H x M x M)
+        # per-call scratch: attention's partials, H x M x M/256 x (head_dim + 2) floats)
         self.runs_prompts = bool(kinds) and N8 not in kinds
         self.max_rows = W4A8_MAX_ROWS if self.runs_prompts else max_rows
 

@@ -438,29 +438,6 @@ static inline __attribute__((always_inline)) void attend_zmm(const float *q, con
 }
 #endif
 
-/* one query row of one head over one chunk of an fp32 (half = 0) or fp16 (half = 1) cache, a partial into res: the
- * register version for head dims of 64 and 128 (SmolLM2, Qwen2.5), fp16 widened as it is loaded; else `attend` on
- * fp32 rows (an fp16 chunk widened first into `tile`: 2 * SQ_KV_CHUNK * hd floats, keys then values) */
-static void attend_head(const float *q, const void *kb, const void *vb, int64_t len, int64_t hd, float scaling,
-                        float *p, float *res, int half, float *tile) {
-#ifdef __AVX512F__
-    if (hd == 64 || hd == 128) {
-        if (hd == 64 && half) attend_zmm(q, kb, vb, len, scaling, p, res, 4, 1);
-        else if (hd == 64) attend_zmm(q, kb, vb, len, scaling, p, res, 4, 0);
-        else if (half) attend_zmm(q, kb, vb, len, scaling, p, res, 8, 1);
-        else attend_zmm(q, kb, vb, len, scaling, p, res, 8, 0);
-        return;
-    }
-#endif
-    if (half) { /* widened once for the chunk into `tile` (exact), then the fp32 code */
-        from_half((const uint16_t *)kb, tile, len * hd);
-        from_half((const uint16_t *)vb, tile + SQ_KV_CHUNK * hd, len * hd);
-        kb = tile;
-        vb = tile + SQ_KV_CHUNK * hd;
-    }
-    attend(q, kb, vb, len, hd, scaling, p, res);
-}
-
 /* whether `attend_head` reads an fp16 chunk in place (the register version), or needs a tile to widen it into */
 static int widens_as_loaded(int64_t hd) {
 #ifdef __AVX512F__
@@ -469,6 +446,33 @@ static int widens_as_loaded(int64_t hd) {
     (void)hd;
     return 0;
 #endif
+}
+
+/* one query row of one head over one chunk of an fp32 (half = 0) or fp16 (half = 1) cache, a partial into res: the
+ * register version for head dims of 64 and 128 (SmolLM2, Qwen2.5), fp16 widened as it is loaded; else `attend` on
+ * fp32 rows (an fp16 chunk widened first into `tile`: 2 * SQ_KV_CHUNK * hd floats, keys then values) */
+static void attend_head(const float *q, const void *kb, const void *vb, int64_t len, int64_t hd, float scaling,
+                        float *p, float *res, int half, float *tile) {
+#ifdef __AVX512F__
+    if (widens_as_loaded(hd)) {
+        if (hd == 64 && half) attend_zmm(q, kb, vb, len, scaling, p, res, 4, 1);
+        else if (hd == 64) attend_zmm(q, kb, vb, len, scaling, p, res, 4, 0);
+        else if (half) attend_zmm(q, kb, vb, len, scaling, p, res, 8, 1);
+        else attend_zmm(q, kb, vb, len, scaling, p, res, 8, 0);
+        return;
+    }
+#endif
+#ifdef __AVX2__
+    if (half) { /* widened once for the chunk into `tile` (exact), then the fp32 code */
+        from_half((const uint16_t *)kb, tile, len * hd);
+        from_half((const uint16_t *)vb, tile + SQ_KV_CHUNK * hd, len * hd);
+        kb = tile;
+        vb = tile + SQ_KV_CHUNK * hd;
+    }
+#else
+    (void)half, (void)tile; /* no stack below AVX2 (sq_decoder_layers returns 2) */
+#endif
+    attend(q, kb, vb, len, hd, scaling, p, res);
 }
 
 int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, float *hidden, int64_t M,
