@@ -2,7 +2,7 @@
 lean forward's logits within fp32 rounding (a float model's stack on bf16 products, engine.native_dot=bf16: within
 bf16 rounding); a row's logits do not depend on the rows fed beside it (bit for bit), so
 speculative greedy output with a native target is the target alone's; calls it cannot run (batches, quantized KV
-caches, bf16) take the torch path; `engine.forward=native` on a model it cannot run is a clear error."""
+caches it does not read, bf16) take the torch path; `engine.forward=native` on a model it cannot run is a clear error."""
 
 import copy
 
@@ -198,7 +198,8 @@ def test_one_token_is_the_general_call_bit_for_bit(native_model, monkeypatch):
     """`LeanForward.one_token` (a drafted token's step without the call's tensors around it) gives the logits and
     the cache contents of the general call, bit for bit, and so do RaggedBatch's one-token feed and the engine's
     decode step, which take it;
-    where the stack cannot run the call (a quantized cache, a token past the embedding) it answers None."""
+    where the stack cannot run the call (a quantized cache it does not read, a token past the embedding) it answers
+    None."""
     from toolkit.kv import KVSpec, make_kv_cache
     from toolkit.spec.ragged import RaggedBatch
 
@@ -227,7 +228,7 @@ def test_one_token_is_the_general_call_bit_for_bit(native_model, monkeypatch):
                 stepped = decode_step(native_model, torch.tensor([[token]]), None, torch.tensor([[position]]), caches[3])
             assert torch.equal(stepped, general[:, -1])
         assert ragged.counts.tolist() == [14]
-        quantized = make_kv_cache(native_model, 64, KVSpec("int4"))
+        quantized = make_kv_cache(native_model, 64, KVSpec("int2"))  # keys quantized before rotation
         native_model(input_ids=torch.tensor([ids[:9]]), cache=quantized, use_cache=True)
         assert lean.one_token(ids[9], 9, quantized) is None
         assert lean.one_token(native_model.config.vocab_size + 5, 14, caches[1]) is None
@@ -237,7 +238,8 @@ def test_one_token_is_the_general_call_bit_for_bit(native_model, monkeypatch):
 
 
 def test_calls_it_cannot_run_take_the_torch_path(native_model):
-    """A batch of two, a quantized KV cache: the lean forward's torch operators, bit for bit."""
+    """A batch of two, a quantized KV cache it does not read (keys quantized before rotation: int2's default; the
+    caches it reads: tests/test_native_kv_quantized.py): the lean forward's torch operators, bit for bit."""
     from toolkit.kv import KVSpec, make_kv_cache
 
     torch_path = LeanForward(native_model, native=False)
@@ -246,7 +248,7 @@ def test_calls_it_cannot_run_take_the_torch_path(native_model):
     ids = torch.randint(4, native_model.config.vocab_size, (1, 12))
     results = []
     for forward in (native_model.forward, torch_path):
-        cache = make_kv_cache(native_model, 64, KVSpec("int4"))
+        cache = make_kv_cache(native_model, 64, KVSpec("int2"))
         with torch.inference_mode():
             forward(input_ids=ids[:, :8], cache=cache, use_cache=True)
             results.append(forward(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits)

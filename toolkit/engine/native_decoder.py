@@ -22,7 +22,8 @@ When it runs (`NativeDecoder.applies`; anything else takes the lean forward's to
   activation SiLU, full rotary (no partial rotary, no sliding windows: what the lean forward already requires);
 - activations in fp32, the KV cache in fp32 or fp16 (`kv.dtype`, docs/kv-cache.md: read into fp32 as attention
   goes), one sequence (batch 1, no padding mask), the cache a `ContiguousKVCache`
-  already holding the prompt (the quantized and paged caches take the torch path), fewer new rows than the
+  already holding the prompt, or a KIVI `QuantizedKVCache` holding it whose codes the stack reads
+  (`toolkit.engine.native_kv`; the paged cache takes the torch path), fewer new rows than the
   packs' `max_rows` (decode, verify passes, short prompts). A stack whose products all run w4a8 (below) also runs
   the prompt into an empty cache, up to `W4A8_MAX_ROWS` rows: there the integer kernel beats dequantize + fp32
   F.linear at any row count (a 126-token prompt of Qwen2.5-Coder-0.5B int4: 0.24-0.27 s against 1.29-1.34 s). An
@@ -51,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit import cbuild, cpu
+from toolkit.engine import native_kv
 from toolkit.engine.fused_packs import FusedPack, Int4N8Pack, Int8Pack, on_int8_gemm
 from toolkit.engine.precision import HalfStorageLinear
 from toolkit.kv.contiguous import ContiguousKVLayer
@@ -105,6 +107,8 @@ def load():
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sq_decoder_layers.argtypes = [p, i64, p, p, i64, p, p, p, p, i64]
     lib.sq_decoder_layers.restype = ctypes.c_int
+    lib.sq_decoder_layers_kvq.argtypes = [p, i64, p, p, i64, p, p, p, p, i64]
+    lib.sq_decoder_layers_kvq.restype = ctypes.c_int
     lib.sq_b16_linear.argtypes = [p, i64, i64, p, p, i64, p]  # the bf16 kernel it includes: its AMX switch and test
     lib.sq_b16_amx.argtypes = [ctypes.c_int]
     lib.sq_decoder_timing.argtypes = [ctypes.c_int, p]
@@ -362,6 +366,7 @@ class NativeDecoder:
         self.layers = (_Layer * n_layers)(*layers)
         self._keep = keep  # tensors the C structs point into (fp32 bias copies), alive as long as this
         self._buffers = None  # ((cache id, buffer epoch), (keys, values) address arrays): `_addresses`
+        self._kivi = native_kv.KIVIView()  # a KIVI cache's addresses and the new rows' scratch
         self.dims = dims
         self.n_layers = n_layers
         kinds = [q.kind for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -452,7 +457,12 @@ class NativeDecoder:
         if batch != 1 or rows >= self.max_rows or hidden.dtype != torch.float32 or cache is None:
             return False
         layers = getattr(cache, "layers", None)
-        if not layers or len(layers) < self.n_layers or type(layers[0]) is not ContiguousKVLayer:
+        if not layers or len(layers) < self.n_layers:
+            return False
+        if native_kv.reads(layers[0]):  # a KIVI cache holding the prompt: attention reads its codes
+            return (attention_mask is None or bool(attention_mask.all())) and (
+                layers[0].length + rows <= layers[0].max_length)
+        if type(layers[0]) is not ContiguousKVLayer:
             return False
         if attention_mask is not None and not bool(attention_mask.all()):
             return False
@@ -494,6 +504,8 @@ class NativeDecoder:
         head_dim] for the rows' positions. Writes the rows' keys and values at the cache's next slots and advances
         it."""
         layers = cache.layers[:self.n_layers]
+        if type(layers[0]) is not ContiguousKVLayer:
+            return self._run_kivi(hidden, cos, sin, cache, layers)
         if not layers[0].is_initialized:  # a prompt into an empty cache (`runs_prompts`): all layers are empty
             d = self.dims
             for layer in layers:
@@ -512,4 +524,25 @@ class NativeDecoder:
             raise RuntimeError(f"the native decoder failed (rc {rc})")
         for layer in layers:
             layer.advance(rows)
+        return hidden
+
+    def _run_kivi(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layers) -> torch.Tensor:
+        """`run` over a KIVI cache (toolkit/engine/native_kv.py): the rows in the pieces the cache asks for
+        (`read_splits`: each row reads the cache as a one-token step would), each piece's keys and values appended
+        after its call."""
+        rows, d = hidden.shape[1], self.dims
+        edges = [0, *cache.read_splits(rows), rows]
+        for a, b in zip(edges, edges[1:]):
+            first = layers[0]
+            if any(layer.length != first.length or layer.quantized != first.quantized
+                   or layer.v_quantized != first.v_quantized or not native_kv.reads(layer) for layer in layers):
+                raise RuntimeError("the KV cache's layers hold different lengths")
+            structs, bounds = self._kivi.structs(cache, layers, b - a, d.kv_heads, d.head_dim)
+            piece = hidden[0, a:b]
+            rc = library().sq_decoder_layers_kvq(ctypes.byref(self.layers), self.n_layers, ctypes.byref(d),
+                                                 piece.data_ptr(), b - a, cos[a:b].data_ptr(), sin[a:b].data_ptr(),
+                                                 ctypes.byref(structs), ctypes.byref(bounds), first.length)
+            if rc:
+                raise RuntimeError(f"the native decoder failed (rc {rc})")
+            self._kivi.append(layers, b - a, d.kv_heads, d.head_dim)
         return hidden

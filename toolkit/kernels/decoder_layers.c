@@ -301,189 +301,19 @@ static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
 }
 #endif
 
-/* Attention runs in chunks of SQ_KV_CHUNK keys (flash-decoding): each (chunk, head) is a task for the OpenMP
- * threads, so a one-row decode step at long context splits along the tokens over every core, and the heads that
- * share a key/value head take its chunk one after another while it is in cache. A task leaves, per query row, a
- * partial: the chunk's scores' max, the sum of their exponentials and the unnormalized weighted value sum; `combine`
- * merges a row's partials in chunk order. Chunk boundaries are fixed positions, so a row's result does not depend
- * on the rows beside it (row independence, above), nor on the thread count. */
-#define SQ_KV_CHUNK 256
-
-/* one query row of one head over keys/values 0..len-1 (len <= SQ_KV_CHUNK): into res[hd + 2] the unnormalized
- * sum of exp(s - max) V, then max and the sum of exp(s - max), s = q.K * scaling; p: len floats */
-static void attend(const float *q, const float *kb, const float *vb, int64_t len, int64_t hd, float scaling,
-                   float *p, float *res) {
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < len; t++) {
-        p[t] = dot(q, kb + t * hd, hd) * scaling;
-        if (p[t] > mx) mx = p[t];
-    }
-    exp_shifted(p, len, mx);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; t++) sum += p[t];
-    for (int64_t j = 0; j < hd; j++) res[j] = 0.f;
-    for (int64_t t = 0; t < len; t++) {
-        const float w = p[t];
-        const float *v = vb + t * hd;
-        for (int64_t j = 0; j < hd; j++) res[j] += w * v[j];
-    }
-    res[hd] = mx;
-    res[hd + 1] = sum;
-}
-
-/* a row's partials parts[n][hd + 2] (chunk order) merged: softmax(q.K * scaling) V over all its keys into out[hd] */
-static void combine(const float *parts, int64_t n, int64_t hd, float *out) {
-    const int64_t stride = hd + 2;
-    float top = -INFINITY;
-    for (int64_t c = 0; c < n; c++)
-        if (parts[c * stride + hd] > top) top = parts[c * stride + hd];
-    float den = 0.f;
-    for (int64_t j = 0; j < hd; j++) out[j] = 0.f;
-    for (int64_t c = 0; c < n; c++) {
-        const float *part = parts + c * stride;
-        const float w = expf(part[hd] - top);
-        den += w * part[hd + 1];
-        for (int64_t j = 0; j < hd; j++) out[j] += w * part[j];
-    }
-    const float inv = 1.f / den;
-    for (int64_t j = 0; j < hd; j++) out[j] *= inv;
-}
+#include "attention.c"
 
 #ifdef __AVX2__
-/* n floats (n % 8 == 0) to IEEE half, rounded to nearest even (torch's .half()), and back (exact) */
-static inline void to_half(const float *x, uint16_t *out, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8)
-        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-}
-static inline void from_half(const uint16_t *x, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
-}
-
-#endif
-
-#ifdef __AVX512F__
-/* 16 floats of a key or value row at `off`: fp32, or fp16 widened (exact) */
-static inline __m512 load16(const void *base, int64_t off, const int half) {
-    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
-    return _mm512_loadu_ps((const float *)base + off);
-}
-
-/* lane j of the result = the sum of v[j]'s 16 lanes, for 16 vectors at once (a transposing tree: pairs of vectors
- * within 128-bit chunks, then pairs of those, then across chunks). Every v[j] is summed in the same order whatever
- * its position j, so a key's score does not depend on where its block starts. */
-static inline __m512 sum16(const __m512 *v) {
-    __m512 w[8], u[4];
-    for (int j = 0; j < 8; j++) /* chunk lanes [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2j], b = v[2j+1] */
-        w[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-    for (int j = 0; j < 4; j++) /* chunk lane p: that chunk's sum of v[4j + p] */
-        u[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* chunk c: the chunks of u[c] summed, lane p = v[4c + p] */
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* `attend` (a partial) for a head dim of C * 16 floats. Scores 16 keys at a time: each key's q.k as C FMAs into one
- * vector, the 16 vectors reduced together by `sum16` (a horizontal sum per key was most of the attention's time);
- * the softmax's max and sum in vectors; the weighted value sum held in C registers, every value read once. Per row
- * and head the same operations whatever M: rows stay independent. */
-static inline __attribute__((always_inline)) void attend_zmm(const float *q, const void *kb, const void *vb,
-                                                             int64_t len, float scaling, float *p, float *res,
-                                                             const int C, const int half) {
-    __m512 qv[8], acc[8];
-    for (int i = 0; i < C; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    const __m512 sc = _mm512_set1_ps(scaling);
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        const int64_t nk = len - t0 < 16 ? len - t0 : 16;
-        __m512 v[16];
-        for (int u = 0; u < 16; u++) {
-            if (u < nk) {
-                const int64_t k = (t0 + u) * 16 * C;
-                __m512 a = _mm512_mul_ps(qv[0], load16(kb, k, half));
-                for (int i = 1; i < C; i++) a = _mm512_fmadd_ps(qv[i], load16(kb, k + 16 * i, half), a);
-                v[u] = a;
-            } else {
-                v[u] = _mm512_setzero_ps();
-            }
-        }
-        const __mmask16 m = tail_mask(nk);
-        const __m512 s = _mm512_mul_ps(sum16(v), sc);
-        _mm512_mask_storeu_ps(p + t0, m, s);
-        mx = _mm512_mask_max_ps(mx, m, mx, s);
-    }
-    const float top = _mm512_reduce_max_ps(mx);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t += 16) {
-        const __mmask16 m = tail_mask(len - t);
-        const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + t), _mm512_set1_ps(top)));
-        _mm512_mask_storeu_ps(p + t, m, e);
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
-    }
-    const float sum = _mm512_reduce_add_ps(total);
-    for (int i = 0; i < C; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t++) {
-        const __m512 w = _mm512_set1_ps(p[t]);
-        const int64_t v = t * 16 * C;
-        for (int i = 0; i < C; i++) acc[i] = _mm512_fmadd_ps(w, load16(vb, v + 16 * i, half), acc[i]);
-    }
-    for (int i = 0; i < C; i++) _mm512_storeu_ps(res + 16 * i, acc[i]);
-    res[16 * C] = top;
-    res[16 * C + 1] = sum;
-}
-#endif
-
-/* whether `attend_head` reads an fp16 chunk in place (the register version), or needs a tile to widen it into */
-static int widens_as_loaded(int64_t hd) {
-#ifdef __AVX512F__
-    return hd == 64 || hd == 128;
-#else
-    (void)hd;
-    return 0;
-#endif
-}
-
-/* one query row of one head over one chunk of an fp32 (half = 0) or fp16 (half = 1) cache, a partial into res: the
- * register version for head dims of 64 and 128 (SmolLM2, Qwen2.5), fp16 widened as it is loaded; else `attend` on
- * fp32 rows (an fp16 chunk widened first into `tile`: 2 * SQ_KV_CHUNK * hd floats, keys then values) */
-static void attend_head(const float *q, const void *kb, const void *vb, int64_t len, int64_t hd, float scaling,
-                        float *p, float *res, int half, float *tile) {
-#ifdef __AVX512F__
-    if (widens_as_loaded(hd)) {
-        if (hd == 64 && half) attend_zmm(q, kb, vb, len, scaling, p, res, 4, 1);
-        else if (hd == 64) attend_zmm(q, kb, vb, len, scaling, p, res, 4, 0);
-        else if (half) attend_zmm(q, kb, vb, len, scaling, p, res, 8, 1);
-        else attend_zmm(q, kb, vb, len, scaling, p, res, 8, 0);
-        return;
-    }
-#endif
-#ifdef __AVX2__
-    if (half) { /* widened once for the chunk into `tile` (exact), then the fp32 code */
-        from_half((const uint16_t *)kb, tile, len * hd);
-        from_half((const uint16_t *)vb, tile + SQ_KV_CHUNK * hd, len * hd);
-        kb = tile;
-        vb = tile + SQ_KV_CHUNK * hd;
-    }
-#else
-    (void)half, (void)tile; /* no stack below AVX2 (sq_decoder_layers returns 2) */
-#endif
-    attend(q, kb, vb, len, hd, scaling, p, res);
-}
-
-int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, float *hidden, int64_t M,
-                      const float *cos, const float *sin, void *const *kbuf, void *const *vbuf, int64_t start) {
-#ifndef __AVX2__
-    return 2;
-#else
+/* the stack over a full-precision cache (kbuf, vbuf: each layer's [kv_heads][cap][head_dim] buffers, fp32 or fp16)
+ * or, where kq != NULL, a KIVI cache (kv: each layer's `sq_kvq_layer`; cap unused): see sq_decoder_layers below */
+static int stack(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, float *hidden, int64_t M,
+                 const float *cos, const float *sin, void *const *kbuf, void *const *vbuf, const sq_kvq_layer *kv,
+                 const sq_kvq *kq, int64_t start) {
     const int64_t d = dm->d, H = dm->heads, KV = dm->kv_heads, hd = dm->head_dim, I = dm->inter, cap = dm->cap;
     const int64_t qn = H * hd, kvn = KV * hd, qkvn = qn + 2 * kvn, group = H / KV, end = start + M;
-    const int half = dm->kv_half != 0, width_kv = half ? 2 : 4; /* bytes a cached element takes */
-    if (M <= 0 || hd % 8 || H % KV || end > cap) return 1;
+    const int half = !kq && dm->kv_half != 0, width_kv = half ? 2 : 4; /* bytes a cached element takes */
+    if (M <= 0 || hd % 8 || H % KV || hd > 512 || (!kq && end > cap)) return 1;
+    if (kq && (kq->vgroup % 8 || hd % kq->vgroup || (kq->bits != 2 && kq->bits != 4 && kq->bits != 8))) return 1;
     const int64_t width = qkvn > 2 * I ? qkvn : 2 * I;
     float *xn = malloc(sizeof(float) * M * (d > I ? d : I));
     float *wide = malloc(sizeof(float) * M * width);
@@ -491,20 +321,20 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
     float *proj = malloc(sizeof(float) * M * d);
     const int64_t chunks = (end + SQ_KV_CHUNK - 1) / SQ_KV_CHUNK, stride = hd + 2;
     float *parts = malloc(sizeof(float) * H * M * chunks * stride); /* [H][M][chunks][hd + 2]: `attend`'s partials */
-    /* per thread, a chunk's keys and values widened from fp16 (head dims `attend_zmm` does not widen as it loads) */
-    const int tiled = half && !widens_as_loaded(hd);
+    /* per thread, a chunk's keys and values in fp32: widened from fp16 (head dims `attend_zmm` does not widen as it
+     * loads), or read from a KIVI cache (`fill_chunk`) */
+    const int tiled = kq || (half && !widens_as_loaded(hd));
     float *tiles = tiled ? malloc(sizeof(float) * omp_get_max_threads() * 2 * SQ_KV_CHUNK * hd) : NULL;
     int rc = (!xn || !wide || !att || !proj || !parts || (tiled && !tiles)) ? 3 : 0;
     double sq_last = sq_timing ? sq_now() : 0.;
     for (int64_t l = 0; l < n_layers && !rc; l++) {
         const sq_layer *L = layers + l;
-        char *kc = kbuf[l], *vc = vbuf[l];
+        char *kc = kq ? NULL : kbuf[l], *vc = kq ? NULL : vbuf[l];
         rms_norm(hidden, L->in_norm, M, d, dm->eps, xn);
         SQ_MARK(0);
         if ((rc = q4(&L->qkv, xn, M, wide))) break;
         SQ_MARK(1);
         float tmp[512];
-        if (hd > 512) { rc = 1; break; }
         for (int64_t m = 0; m < M; m++) {
             float *row = wide + m * qkvn;
             const float *c = cos + m * hd, *s = sin + m * hd;
@@ -513,6 +343,11 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
                 memcpy(row + h * hd, tmp, sizeof(float) * hd);
             }
             for (int64_t h = 0; h < KV; h++) {
+                if (kq) { /* the new rows beside the cache, in fp32: the Python side appends them */
+                    rotate(row + qn + h * hd, c, s, hd, kv[l].k_new + (h * M + m) * hd);
+                    memcpy(kv[l].v_new + (h * M + m) * hd, row + qn + kvn + h * hd, sizeof(float) * hd);
+                    continue;
+                }
                 const int64_t at = (h * cap + start + m) * hd * width_kv;
                 if (half) {
                     rotate(row + qn + h * hd, c, s, hd, tmp);
@@ -525,19 +360,65 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
             }
         }
         SQ_MARK(2);
+        if (kq) {
+            /* tasks (chunk, key/value head): the chunk read once into fp32 tiles, then every query head of the group
+             * and every row over it */
+#pragma omp parallel for schedule(static) if (H * M * end > SQ_ATTN_PARALLEL_MIN)
+            for (int64_t ck = 0; ck < chunks * KV; ck++) {
+                const int64_t c = ck / KV, kvh = ck % KV, t0 = c * SQ_KV_CHUNK;
+                const int64_t t1 = t0 + SQ_KV_CHUNK < end ? t0 + SQ_KV_CHUNK : end;
+                float *kt = tiles + (int64_t)omp_get_thread_num() * 2 * SQ_KV_CHUNK * hd, *vt = kt + SQ_KV_CHUNK * hd;
+#ifdef __AVX512F__
+                /* a decode step or a verify pass's piece (the cache cuts those at 8 rows): the queries in batches, each
+                 * position read once a batch; a prompt's many rows: `fill_chunk` reads the chunk once for all */
+                if (kivi_in_registers(kq, hd) && group * M <= SQ_KIVI_QUERIES) {
+                    const kivi_src src = kivi_head(kv + l, kq, kvh, start, M, hd);
+                    const float *qs[6];
+                    float *res[6];
+                    int64_t lens[6];
+                    float p[6 * SQ_KV_CHUNK];
+                    int n = 0;
+                    for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
+                        for (int64_t m = 0; m < M; m++) {
+                            const int64_t len = start + m + 1 - t0;
+                            if (len <= 0) continue;
+                            qs[n] = wide + m * qkvn + h * hd;
+                            res[n] = parts + ((h * M + m) * chunks + c) * stride;
+                            lens[n++] = len < SQ_KV_CHUNK ? len : SQ_KV_CHUNK;
+                            if (n == kivi_batch(hd)) {
+                                attend_kivi(qs, lens, n, &src, t0, hd, dm->scaling, kt, p, res);
+                                n = 0;
+                            }
+                        }
+                    if (n) attend_kivi(qs, lens, n, &src, t0, hd, dm->scaling, kt, p, res);
+                    continue;
+                }
+#endif
+                float p[SQ_KV_CHUNK];
+                fill_chunk(kv + l, kq, kvh, t0, t1, start, M, hd, kt, vt);
+                for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
+                    for (int64_t m = 0; m < M; m++) {
+                        const int64_t len = start + m + 1 - t0;
+                        if (len <= 0) continue;
+                        attend_head(wide + m * qkvn + h * hd, kt, vt, len < SQ_KV_CHUNK ? len : SQ_KV_CHUNK, hd,
+                                    dm->scaling, p, parts + ((h * M + m) * chunks + c) * stride, 0, NULL);
+                    }
+            }
+        } else {
         /* tasks (chunk, head), heads inner: the query heads sharing a key/value head (GQA) read its chunk back to
          * back, while it is in cache */
 #pragma omp parallel for schedule(static) if (H * M * end > SQ_ATTN_PARALLEL_MIN)
-        for (int64_t ch = 0; ch < chunks * H; ch++) {
-            const int64_t c = ch / H, h = ch % H, kvh = h / group, t0 = c * SQ_KV_CHUNK;
-            const char *kh = kc + (kvh * cap + t0) * hd * width_kv, *vh = vc + (kvh * cap + t0) * hd * width_kv;
-            float p[SQ_KV_CHUNK];
-            float *tile = tiles ? tiles + (int64_t)omp_get_thread_num() * 2 * SQ_KV_CHUNK * hd : NULL;
-            for (int64_t m = 0; m < M; m++) {
-                const int64_t len = start + m + 1 - t0; /* this row's keys from t0 on */
-                if (len <= 0) continue;
-                attend_head(wide + m * qkvn + h * hd, kh, vh, len < SQ_KV_CHUNK ? len : SQ_KV_CHUNK, hd,
-                            dm->scaling, p, parts + ((h * M + m) * chunks + c) * stride, half, tile);
+            for (int64_t ch = 0; ch < chunks * H; ch++) {
+                const int64_t c = ch / H, h = ch % H, kvh = h / group, t0 = c * SQ_KV_CHUNK;
+                const char *kh = kc + (kvh * cap + t0) * hd * width_kv, *vh = vc + (kvh * cap + t0) * hd * width_kv;
+                float p[SQ_KV_CHUNK];
+                float *tile = tiles ? tiles + (int64_t)omp_get_thread_num() * 2 * SQ_KV_CHUNK * hd : NULL;
+                for (int64_t m = 0; m < M; m++) {
+                    const int64_t len = start + m + 1 - t0; /* this row's keys from t0 on */
+                    if (len <= 0) continue;
+                    attend_head(wide + m * qkvn + h * hd, kh, vh, len < SQ_KV_CHUNK ? len : SQ_KV_CHUNK, hd,
+                                dm->scaling, p, parts + ((h * M + m) * chunks + c) * stride, half, tile);
+                }
             }
         }
 #pragma omp parallel for schedule(static) if (H * M * chunks * hd > SQ_ATTN_PARALLEL_MIN * 64)
@@ -571,5 +452,28 @@ int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *d
     free(parts);
     free(tiles);
     return rc;
+}
+#endif
+
+/* The stack over a full-precision cache: hidden [M, d] through every layer, the rows' keys and values written at
+ * slots start .. start + M - 1 of kbuf / vbuf. 0, or 1 (shapes), 2 (built without AVX2), 3 (out of memory). */
+int sq_decoder_layers(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, float *hidden, int64_t M,
+                      const float *cos, const float *sin, void *const *kbuf, void *const *vbuf, int64_t start) {
+#ifndef __AVX2__
+    return 2;
+#else
+    return stack(layers, n_layers, dm, hidden, M, cos, sin, kbuf, vbuf, NULL, NULL, start);
+#endif
+}
+
+/* The stack over a KIVI cache of `start` tokens (`sq_kvq_layer`, one per layer): the rows' keys and values go to each
+ * layer's k_new / v_new, not into the cache. The same return codes. */
+int sq_decoder_layers_kvq(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, float *hidden, int64_t M,
+                          const float *cos, const float *sin, const void *kv, const void *kq, int64_t start) {
+#ifndef __AVX2__
+    return 2;
+#else
+    return stack(layers, n_layers, dm, hidden, M, cos, sin, NULL, NULL, (const sq_kvq_layer *)kv,
+                 (const sq_kvq *)kq, start);
 #endif
 }

@@ -248,6 +248,14 @@ class QuantizedKVLayer(CountedKVLayer):
         self._append(key_states, value_states)
         return keys, values
 
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store new tokens without reading the cache: what `update` does after its read (the native stack reads
+        the codes itself, toolkit/engine/native_kv.py)."""
+        if self.length + key_states.shape[-2] > self.max_length:
+            raise RuntimeError(f"KV cache overflow: {self.length + key_states.shape[-2]} tokens > max_length "
+                               f"{self.max_length}")
+        self._append(key_states, value_states)
+
     def _read_on(self, k_new, v_new, then: int):
         """`_read`'s values from the workspace left by this layer's read at length `then` (the previous piece's):
         the flush since moved keys [Tk_then, Tk) from staging into groups and keys and values [Tv_then, Tv) out of

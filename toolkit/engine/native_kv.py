@@ -1,0 +1,92 @@
+"""The native stack over a KIVI cache (`QuantizedKVCache`): attention reads the codes where they lie.
+
+decoder_layers.c's `sq_decoder_layers_kvq` gets one `_KVQLayer` per layer (the addresses of the cache's codes,
+scales, minima, staged keys, full-precision window and sinks) and the bounds the cache is read at (`_KVQ`). Each
+chunk of 256 positions is read into an fp32 tile once per key/value head, and every query head of its group attends
+over it (attention.c `fill_chunk`): what a position holds is the same for every row that reads it, so rows stay
+independent. The call's new keys and values go to a scratch beside the cache; `append` hands them to each layer
+afterwards, which quantizes what leaves the full-precision window (the same Python code as the torch path: the
+cache's state stays a function of its length).
+
+Which caches: plain codes at 2, 4 or 8 bits, `kv.dequant=full` (the default), fp32 activations, one sequence. Keys
+quantized before rotation (`kv.pre_rope`, on by default at 2 bits) and hierarchical INT8 take the torch path. A
+verify pass on a cache that must be read step by step (`read_splits`) runs its pieces one after another
+(docs/kv-cache.md "Attention over the codes").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+
+from toolkit.kv.quantized_cache import QuantizedKVLayer
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _KVQLayer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("k_codes", "v_codes", "k_scale", "k_min", "v_scale", "v_min", "k8_codes",
+                                        "k8_scale", "k8_min", "k_res", "v_res", "k_sink", "v_sink", "k_new", "v_new")]
+
+
+class _KVQ(ctypes.Structure):
+    _fields_ = [(name, _I64) for name in ("bits", "group", "vgroup", "flushed_keys", "flushed_values", "sink",
+                                          "key_cap", "value_cap", "res_cap", "sink_cap")]
+
+
+def reads(layer) -> bool:
+    """Whether the stack reads this cache layer's codes (see the module docstring); cheap checks only."""
+    if type(layer) is not QuantizedKVLayer or not layer.is_initialized:
+        return False
+    cfg = layer.cfg
+    return (cfg.dequant == "full" and not cfg.hierarchical and not cfg.pre_rope and layer.dtype == torch.float32
+            and layer.k_res.shape[0] == 1 and layer.device.type == "cpu")
+
+
+class KIVIView:
+    """The stack's view of one cache: the per-layer address structs, remade only when the cache's buffers or the
+    scratch were (re)made, and the scratch for a call's new keys and values."""
+
+    def __init__(self):
+        self._key = None
+        self._layers = None
+        self._new = None  # [2, layers, kv_heads * rows * head_dim] fp32: keys, values
+
+    def _scratch(self, n_layers: int, kv_heads: int, rows: int, head_dim: int) -> torch.Tensor:
+        size = kv_heads * rows * head_dim
+        if self._new is None or self._new.shape[1] != n_layers or self._new.shape[2] < size:
+            self._new = torch.empty(2, n_layers, size)
+        return self._new
+
+    def structs(self, cache, layers: list, rows: int, kv_heads: int, head_dim: int):
+        """(the layers' `_KVQLayer` array, the bounds' `_KVQ`) for a call of `rows` rows. The array is remade when
+        any tensor it points into is another object (weak references: a tensor freed since, and another at its
+        address, cannot pass for it; a copied or reordered cache gets its own)."""
+        new = self._scratch(len(layers), kv_heads, rows, head_dim)
+        tensors = [(new, layer.k_codes[0], layer.v_codes[0], layer.k_scale, layer.k_min, layer.v_scale, layer.v_min,
+                    layer.k8_codes, layer.k8_scale, layer.k8_min, layer.k_res, layer.v_res,
+                    getattr(layer, "k_sink", None), getattr(layer, "v_sink", None)) for layer in layers]
+        if self._key is None or len(self._key) != len(tensors) or any(
+                (None if a is None else a()) is not b
+                for held, now in zip(self._key, tensors) for a, b in zip(held, now)):
+            def ptr(t):
+                return None if t is None else t.data_ptr()
+
+            self._layers = (_KVQLayer * len(layers))(*(
+                _KVQLayer(*map(ptr, held[1:]), new[0, i].data_ptr(), new[1, i].data_ptr())
+                for i, held in enumerate(tensors)))
+            self._key = [tuple(None if t is None else weakref.ref(t) for t in held) for held in tensors]
+        first, cfg = layers[0], layers[0].cfg
+        bounds = _KVQ(cfg.bits, cfg.group_size, first.value_group, first.quantized, first.v_quantized,
+                      min(cfg.sink, first.v_quantized), first.k_codes[0].shape[2], first.v_codes[0].shape[2],
+                      first.k_res.shape[2], cfg.sink)
+        return self._layers, bounds
+
+    def append(self, layers: list, rows: int, kv_heads: int, head_dim: int) -> None:
+        """Each layer's new keys and values (the last call's, from the scratch) appended to it."""
+        n = kv_heads * rows * head_dim
+        for i, layer in enumerate(layers):
+            layer.append(self._new[0, i, :n].view(1, kv_heads, rows, head_dim),
+                         self._new[1, i, :n].view(1, kv_heads, rows, head_dim))

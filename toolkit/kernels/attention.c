@@ -1,0 +1,491 @@
+/* The native stack's attention (included by decoder_layers.c, after the vector exp it uses): one query row of one
+ * head over a chunk of keys into a partial, the partials of a row merged, and the KIVI cache's chunks made readable.
+ * docs/kv-cache.md says which cache each path reads.
+ */
+
+/* Attention runs in chunks of SQ_KV_CHUNK keys (flash-decoding): each (chunk, head) is a task for the OpenMP
+ * threads, so a one-row decode step at long context splits along the tokens over every core, and the heads that
+ * share a key/value head take its chunk one after another while it is in cache. A task leaves, per query row, a
+ * partial: the chunk's scores' max, the sum of their exponentials and the unnormalized weighted value sum; `combine`
+ * merges a row's partials in chunk order. Chunk boundaries are fixed positions, so a row's result does not depend
+ * on the rows beside it (row independence, above), nor on the thread count. */
+#define SQ_KV_CHUNK 256
+
+/* one query row of one head over keys/values 0..len-1 (len <= SQ_KV_CHUNK): into res[hd + 2] the unnormalized
+ * sum of exp(s - max) V, then max and the sum of exp(s - max), s = q.K * scaling; p: len floats */
+static void attend(const float *q, const float *kb, const float *vb, int64_t len, int64_t hd, float scaling,
+                   float *p, float *res) {
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        p[t] = dot(q, kb + t * hd, hd) * scaling;
+        if (p[t] > mx) mx = p[t];
+    }
+    exp_shifted(p, len, mx);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; t++) sum += p[t];
+    for (int64_t j = 0; j < hd; j++) res[j] = 0.f;
+    for (int64_t t = 0; t < len; t++) {
+        const float w = p[t];
+        const float *v = vb + t * hd;
+        for (int64_t j = 0; j < hd; j++) res[j] += w * v[j];
+    }
+    res[hd] = mx;
+    res[hd + 1] = sum;
+}
+
+/* a row's partials parts[n][hd + 2] (chunk order) merged: softmax(q.K * scaling) V over all its keys into out[hd] */
+static void combine(const float *parts, int64_t n, int64_t hd, float *out) {
+    const int64_t stride = hd + 2;
+    float top = -INFINITY;
+    for (int64_t c = 0; c < n; c++)
+        if (parts[c * stride + hd] > top) top = parts[c * stride + hd];
+    float den = 0.f;
+    for (int64_t j = 0; j < hd; j++) out[j] = 0.f;
+    for (int64_t c = 0; c < n; c++) {
+        const float *part = parts + c * stride;
+        const float w = expf(part[hd] - top);
+        den += w * part[hd + 1];
+        for (int64_t j = 0; j < hd; j++) out[j] += w * part[j];
+    }
+    const float inv = 1.f / den;
+    for (int64_t j = 0; j < hd; j++) out[j] *= inv;
+}
+
+#ifdef __AVX2__
+/* n floats (n % 8 == 0) to IEEE half, rounded to nearest even (torch's .half()), and back (exact) */
+static inline void to_half(const float *x, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
+static inline void from_half(const uint16_t *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+}
+
+#endif
+
+#ifdef __AVX512F__
+/* 16 floats of a key or value row at `off`: fp32, or fp16 widened (exact) */
+static inline __m512 load16(const void *base, int64_t off, const int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
+    return _mm512_loadu_ps((const float *)base + off);
+}
+
+/* lane j of the result = the sum of v[j]'s 16 lanes, for 16 vectors at once (a transposing tree: pairs of vectors
+ * within 128-bit chunks, then pairs of those, then across chunks). Every v[j] is summed in the same order whatever
+ * its position j, so a key's score does not depend on where its block starts. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 w[8], u[4];
+    for (int j = 0; j < 8; j++) /* chunk lanes [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2j], b = v[2j+1] */
+        w[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) /* chunk lane p: that chunk's sum of v[4j + p] */
+        u[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* chunk c: the chunks of u[c] summed, lane p = v[4c + p] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* `attend` (a partial) for a head dim of C * 16 floats. Scores 16 keys at a time: each key's q.k as C FMAs into one
+ * vector, the 16 vectors reduced together by `sum16` (a horizontal sum per key was most of the attention's time);
+ * the softmax's max and sum in vectors; the weighted value sum held in C registers, every value read once. Per row
+ * and head the same operations whatever M: rows stay independent. */
+static inline __attribute__((always_inline)) void attend_zmm(const float *q, const void *kb, const void *vb,
+                                                             int64_t len, float scaling, float *p, float *res,
+                                                             const int C, const int half) {
+    __m512 qv[8], acc[8];
+    for (int i = 0; i < C; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    const __m512 sc = _mm512_set1_ps(scaling);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t nk = len - t0 < 16 ? len - t0 : 16;
+        __m512 v[16];
+        for (int u = 0; u < 16; u++) {
+            if (u < nk) {
+                const int64_t k = (t0 + u) * 16 * C;
+                __m512 a = _mm512_mul_ps(qv[0], load16(kb, k, half));
+                for (int i = 1; i < C; i++) a = _mm512_fmadd_ps(qv[i], load16(kb, k + 16 * i, half), a);
+                v[u] = a;
+            } else {
+                v[u] = _mm512_setzero_ps();
+            }
+        }
+        const __mmask16 m = tail_mask(nk);
+        const __m512 s = _mm512_mul_ps(sum16(v), sc);
+        _mm512_mask_storeu_ps(p + t0, m, s);
+        mx = _mm512_mask_max_ps(mx, m, mx, s);
+    }
+    const float top = _mm512_reduce_max_ps(mx);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 m = tail_mask(len - t);
+        const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + t), _mm512_set1_ps(top)));
+        _mm512_mask_storeu_ps(p + t, m, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+    }
+    const float sum = _mm512_reduce_add_ps(total);
+    for (int i = 0; i < C; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const __m512 w = _mm512_set1_ps(p[t]);
+        const int64_t v = t * 16 * C;
+        for (int i = 0; i < C; i++) acc[i] = _mm512_fmadd_ps(w, load16(vb, v + 16 * i, half), acc[i]);
+    }
+    for (int i = 0; i < C; i++) _mm512_storeu_ps(res + 16 * i, acc[i]);
+    res[16 * C] = top;
+    res[16 * C + 1] = sum;
+}
+#endif
+
+/* whether `attend_head` reads an fp16 chunk in place (the register version), or needs a tile to widen it into */
+static int widens_as_loaded(int64_t hd) {
+#ifdef __AVX512F__
+    return hd == 64 || hd == 128;
+#else
+    (void)hd;
+    return 0;
+#endif
+}
+
+/* one query row of one head over one chunk of an fp32 (half = 0) or fp16 (half = 1) cache, a partial into res: the
+ * register version for head dims of 64 and 128 (SmolLM2, Qwen2.5), fp16 widened as it is loaded; else `attend` on
+ * fp32 rows (an fp16 chunk widened first into `tile`: 2 * SQ_KV_CHUNK * hd floats, keys then values) */
+static void attend_head(const float *q, const void *kb, const void *vb, int64_t len, int64_t hd, float scaling,
+                        float *p, float *res, int half, float *tile) {
+#ifdef __AVX512F__
+    if (widens_as_loaded(hd)) {
+        if (hd == 64 && half) attend_zmm(q, kb, vb, len, scaling, p, res, 4, 1);
+        else if (hd == 64) attend_zmm(q, kb, vb, len, scaling, p, res, 4, 0);
+        else if (half) attend_zmm(q, kb, vb, len, scaling, p, res, 8, 1);
+        else attend_zmm(q, kb, vb, len, scaling, p, res, 8, 0);
+        return;
+    }
+#endif
+#ifdef __AVX2__
+    if (half) { /* widened once for the chunk into `tile` (exact), then the fp32 code */
+        from_half((const uint16_t *)kb, tile, len * hd);
+        from_half((const uint16_t *)vb, tile + SQ_KV_CHUNK * hd, len * hd);
+        kb = tile;
+        vb = tile + SQ_KV_CHUNK * hd;
+    }
+#else
+    (void)half, (void)tile; /* no stack below AVX2 (sq_decoder_layers returns 2) */
+#endif
+    attend(q, kb, vb, len, hd, scaling, p, res);
+}
+
+#ifdef __AVX2__
+/* A KIVI cache (toolkit/kv/quantized_cache.py, one sequence) as attention reads it: per key/value head, positions
+ * below `flushed_keys` have keys in groups (codes per token, an fp16 scale and minimum per channel over `group`
+ * tokens), those up to `flushed_values` staged keys (INT8 per token in a ring of 2 * group slots, one fp16 scale and
+ * minimum per `vgroup` channels); values below `flushed_values` are codes per token (scale and minimum per `vgroup`
+ * channels); the first `sink` positions are read from their originals; from `flushed_values` to the cache's length
+ * the full-precision window; then this call's new rows, which the stack writes to `k_new` / `v_new` [kv_heads][M]
+ * [head_dim] (the Python side appends them to the cache after the call: it quantizes what leaves the window). */
+typedef struct {
+    const uint8_t *k_codes, *v_codes;                   /* [kv_heads][key_cap or value_cap][head_dim * bits / 8] */
+    const uint16_t *k_scale, *k_min;                    /* [kv_heads][key_cap / group][head_dim] */
+    const uint16_t *v_scale, *v_min;                    /* [kv_heads][value_cap][head_dim / vgroup] */
+    const uint8_t *k8_codes;                            /* [kv_heads][2 * group][head_dim] */
+    const uint16_t *k8_scale, *k8_min;                  /* [kv_heads][2 * group][head_dim / vgroup] */
+    const float *k_res, *v_res;                         /* [kv_heads][res_cap][head_dim] */
+    const float *k_sink, *v_sink;                       /* [kv_heads][sink_cap][head_dim], or NULL */
+    float *k_new, *v_new;                               /* [kv_heads][M][head_dim]: written by the stack */
+} sq_kvq_layer;
+
+typedef struct {
+    int64_t bits, group, vgroup, flushed_keys, flushed_values, sink, key_cap, value_cap, res_cap, sink_cap;
+} sq_kvq;
+
+/* codes of one row (`bits` each, packed lowest bits first along the channels) times scale plus minimum, into
+ * out[hd] in fp32: scale and minimum fp16, one per channel (per == 1) or one per `per` channels (a multiple of 8) */
+static void dequant_row(const uint8_t *codes, int64_t bits, const uint16_t *scale, const uint16_t *mn, int64_t per,
+                        int64_t hd, float *out) {
+    const __m256i shift = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                    : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i mask = _mm256_set1_epi32(bits == 4 ? 15 : 3);
+    for (int64_t j = 0; j < hd; j += 8) {
+        __m256i c;
+        if (bits == 8) {
+            c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + j)));
+        } else if (bits == 4) { /* 8 codes in 4 bytes: code i in bits 4i..4i+3 of the little-endian word */
+            uint32_t w;
+            memcpy(&w, codes + j / 2, 4);
+            c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shift), mask);
+        } else {
+            uint16_t w;
+            memcpy(&w, codes + j / 4, 2);
+            c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shift), mask);
+        }
+        __m256 s, m;
+        if (per == 1) {
+            s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + j)));
+            m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + j)));
+        } else {
+            s = _mm256_set1_ps(_cvtsh_ss(scale[j / per]));
+            m = _mm256_set1_ps(_cvtsh_ss(mn[j / per]));
+        }
+        _mm256_storeu_ps(out + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), s, m));
+    }
+}
+
+/* keys and values of positions t0..t1-1 of key/value head `kvh` in fp32, into kt and vt [t1 - t0][hd]: what each
+ * position holds whatever the rows that read it (row independence) */
+static void fill_chunk(const sq_kvq_layer *L, const sq_kvq *q, int64_t kvh, int64_t t0, int64_t t1, int64_t start,
+                       int64_t M, int64_t hd, float *kt, float *vt) {
+    const int64_t rowb = hd * q->bits / 8, G = q->group, ring = 2 * G, vpr = hd / q->vgroup;
+    const int64_t Tk = q->flushed_keys, Tv = q->flushed_values;
+    const size_t row = sizeof(float) * hd;
+    for (int64_t t = t0; t < t1; t++) {
+        float *kr = kt + (t - t0) * hd, *vr = vt + (t - t0) * hd;
+        if (t >= start) {
+            memcpy(kr, L->k_new + (kvh * M + t - start) * hd, row);
+            memcpy(vr, L->v_new + (kvh * M + t - start) * hd, row);
+        } else if (t >= Tv) {
+            memcpy(kr, L->k_res + (kvh * q->res_cap + t - Tv) * hd, row);
+            memcpy(vr, L->v_res + (kvh * q->res_cap + t - Tv) * hd, row);
+        } else if (t < q->sink) {
+            memcpy(kr, L->k_sink + (kvh * q->sink_cap + t) * hd, row);
+            memcpy(vr, L->v_sink + (kvh * q->sink_cap + t) * hd, row);
+        } else {
+            if (t < Tk) {
+                const int64_t at = kvh * (q->key_cap / G) + t / G;
+                dequant_row(L->k_codes + (kvh * q->key_cap + t) * rowb, q->bits, L->k_scale + at * hd,
+                            L->k_min + at * hd, 1, hd, kr);
+            } else {
+                const int64_t at = kvh * ring + t % ring;
+                dequant_row(L->k8_codes + at * hd, 8, L->k8_scale + at * vpr, L->k8_min + at * vpr, q->vgroup, hd,
+                            kr);
+            }
+            const int64_t at = kvh * q->value_cap + t;
+            dequant_row(L->v_codes + at * rowb, q->bits, L->v_scale + at * vpr, L->v_min + at * vpr, q->vgroup, hd,
+                        vr);
+        }
+    }
+}
+#endif
+
+#ifdef __AVX512F__
+/* One key/value head of a KIVI cache for `attend_kivi_zmm`: its buffers offset to the head and the strides, so that
+ * reading a position costs no division. Positions go straight into registers (C of them: head dim 16 C), without a
+ * chunk tile, where the value groups are whole registers (vgroup % 16 == 0). The same values `fill_chunk` writes. */
+typedef struct {
+    const uint8_t *k_codes, *v_codes, *k8_codes;
+    const uint16_t *k_scale, *k_min, *v_scale, *v_min, *k8_scale, *k8_min;
+    const float *k_res, *v_res, *k_sink, *v_sink, *k_new, *v_new;
+    int64_t start, flushed_keys, flushed_values, sink, bits, rowb, vpr, per, group_shift, ring_mask;
+} kivi_src;
+
+static kivi_src kivi_head(const sq_kvq_layer *L, const sq_kvq *q, int64_t kvh, int64_t start, int64_t M, int64_t hd) {
+    kivi_src s;
+    const int64_t rowb = hd * q->bits / 8, vpr = hd / q->vgroup, ring = 2 * q->group;
+    int64_t shift = 0;
+    while (((int64_t)1 << shift) < q->group) shift++;
+    s.k_codes = L->k_codes + kvh * q->key_cap * rowb;
+    s.v_codes = L->v_codes + kvh * q->value_cap * rowb;
+    s.k8_codes = L->k8_codes + kvh * ring * hd;
+    s.k_scale = L->k_scale + kvh * (q->key_cap / q->group) * hd;
+    s.k_min = L->k_min + kvh * (q->key_cap / q->group) * hd;
+    s.v_scale = L->v_scale + kvh * q->value_cap * vpr;
+    s.v_min = L->v_min + kvh * q->value_cap * vpr;
+    s.k8_scale = L->k8_scale + kvh * ring * vpr;
+    s.k8_min = L->k8_min + kvh * ring * vpr;
+    s.k_res = L->k_res + kvh * q->res_cap * hd;
+    s.v_res = L->v_res + kvh * q->res_cap * hd;
+    s.k_sink = L->k_sink ? L->k_sink + kvh * q->sink_cap * hd : NULL;
+    s.v_sink = L->v_sink ? L->v_sink + kvh * q->sink_cap * hd : NULL;
+    s.k_new = L->k_new + kvh * M * hd;
+    s.v_new = L->v_new + kvh * M * hd;
+    s.start = start, s.flushed_keys = q->flushed_keys, s.flushed_values = q->flushed_values, s.sink = q->sink;
+    s.bits = q->bits, s.rowb = rowb, s.vpr = vpr, s.per = q->vgroup / 16, s.group_shift = shift, s.ring_mask = ring - 1;
+    return s;
+}
+
+/* 16 codes of `bits` from a row at code index j (j % 16 == 0), as floats */
+static inline __m512 codes16(const uint8_t *row, int64_t j, const int64_t bits) {
+    __m128i b;
+    if (bits == 8) {
+        b = _mm_loadu_si128((const __m128i *)(row + j));
+    } else if (bits == 4) { /* 8 bytes: low nibble then high nibble of each, in order */
+        const __m128i x = _mm_loadl_epi64((const __m128i *)(row + j / 2)), low = _mm_set1_epi8(15);
+        b = _mm_unpacklo_epi8(_mm_and_si128(x, low), _mm_and_si128(_mm_srli_epi16(x, 4), low));
+    } else {
+        uint32_t w;
+        memcpy(&w, row + j / 4, 4);
+        return _mm512_cvtepi32_ps(_mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_set1_epi32((int)w), _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                                                            24, 26, 28, 30)),
+            _mm512_set1_epi32(3)));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+}
+
+static inline __m512 half16(const uint16_t *x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)x)); }
+
+/* a full-precision row of position t (the new rows, the window, the sinks), or NULL: its codes are read */
+static inline const float *kivi_fp(const kivi_src *s, int64_t t, const int value, int64_t hd) {
+    if (t >= s->start) return (value ? s->v_new : s->k_new) + (t - s->start) * hd;
+    if (t >= s->flushed_values) return (value ? s->v_res : s->k_res) + (t - s->flushed_values) * hd;
+    if (t < s->sink) return (value ? s->v_sink : s->k_sink) + t * hd;
+    return NULL;
+}
+
+/* codes times a scale and minimum per `per` registers (fp16 sc, mn: one per value group) into r[C] */
+static inline __attribute__((always_inline)) void grouped_row(const uint8_t *row, int64_t bits, const uint16_t *sc,
+                                                              const uint16_t *mn, int64_t per, __m512 *r,
+                                                              const int C) {
+    __m512 s = _mm512_setzero_ps(), m = s;
+    for (int i = 0; i < C; i++) {
+        if (i % per == 0) {
+            s = _mm512_set1_ps(_cvtsh_ss(sc[i / per]));
+            m = _mm512_set1_ps(_cvtsh_ss(mn[i / per]));
+        }
+        r[i] = _mm512_fmadd_ps(codes16(row, 16 * i, bits), s, m);
+    }
+}
+
+/* keys of positions t .. t + n - 1 (n <= 16) into the tile kt[n][16 C]: a block inside one key group converts its
+ * scales and minima once */
+static inline __attribute__((always_inline)) void kivi_keys(const kivi_src *s, int64_t t, int64_t n, float *kt,
+                                                            const int C) {
+    const int64_t hd = 16 * C;
+    if (t >= s->sink && t + n <= s->flushed_keys && (t >> s->group_shift) == ((t + n - 1) >> s->group_shift)) {
+        const int64_t g = t >> s->group_shift;
+        __m512 sc[8], mn[8];
+        for (int i = 0; i < C; i++) {
+            sc[i] = half16(s->k_scale + g * hd + 16 * i);
+            mn[i] = half16(s->k_min + g * hd + 16 * i);
+        }
+        for (int64_t u = 0; u < n; u++) {
+            const uint8_t *row = s->k_codes + (t + u) * s->rowb;
+            for (int i = 0; i < C; i++)
+                _mm512_storeu_ps(kt + u * hd + 16 * i, _mm512_fmadd_ps(codes16(row, 16 * i, s->bits), sc[i], mn[i]));
+        }
+        return;
+    }
+    for (int64_t u = 0; u < n; u++) {
+        const int64_t p = t + u;
+        const float *fp = kivi_fp(s, p, 0, hd);
+        __m512 r[8];
+        if (fp) {
+            for (int i = 0; i < C; i++) r[i] = _mm512_loadu_ps(fp + 16 * i);
+        } else if (p < s->flushed_keys) {
+            const int64_t g = p >> s->group_shift;
+            const uint8_t *row = s->k_codes + p * s->rowb;
+            for (int i = 0; i < C; i++)
+                r[i] = _mm512_fmadd_ps(codes16(row, 16 * i, s->bits), half16(s->k_scale + g * hd + 16 * i),
+                                       half16(s->k_min + g * hd + 16 * i));
+        } else { /* staged: INT8 per token in the ring */
+            const int64_t at = p & s->ring_mask;
+            grouped_row(s->k8_codes + at * hd, 8, s->k8_scale + at * s->vpr, s->k8_min + at * s->vpr, s->per, r, C);
+        }
+        for (int i = 0; i < C; i++) _mm512_storeu_ps(kt + u * hd + 16 * i, r[i]);
+    }
+}
+
+/* the value of position t into r[C] */
+static inline __attribute__((always_inline)) void kivi_value(const kivi_src *s, int64_t t, __m512 *r, const int C) {
+    const float *fp = kivi_fp(s, t, 1, 16 * C);
+    if (fp) {
+        for (int i = 0; i < C; i++) r[i] = _mm512_loadu_ps(fp + 16 * i);
+        return;
+    }
+    grouped_row(s->v_codes + t * s->rowb, s->bits, s->v_scale + t * s->vpr, s->v_min + t * s->vpr, s->per, r, C);
+}
+
+/* Q query rows of one key/value head's group over positions t0 .. t0 + lens[i] - 1 of a KIVI chunk: each position
+ * read once into registers and used by every query (GQA, and a verify pass's rows). Per query the arithmetic of
+ * `attend_zmm` in the same order -- its keys' scores 16 at a time through `sum16`, the softmax, the weighted value sum
+ * in registers -- so a row's partial does not depend on the queries beside it. kt: a 16-key tile [16][16 C]; p:
+ * [Q][SQ_KV_CHUNK] scores; res[i]: the partials. */
+static inline __attribute__((always_inline)) void attend_kivi_zmm(const float *const *qs, const int64_t *lens,
+                                                                  const kivi_src *src, int64_t t0, float scaling,
+                                                                  float *kt, float *p, float *const *res, const int Q,
+                                                                  const int C) {
+    __m512 mx[6], acc[6][8];
+    int64_t most = 0;
+    for (int i = 0; i < Q; i++) {
+        mx[i] = _mm512_set1_ps(-INFINITY);
+        if (lens[i] > most) most = lens[i];
+    }
+    const __m512 sc = _mm512_set1_ps(scaling);
+    for (int64_t b = 0; b < most; b += 16) {
+        const int64_t nk = most - b < 16 ? most - b : 16;
+        kivi_keys(src, t0 + b, nk, kt, C);
+        for (int qi = 0; qi < Q; qi++) {
+            const int64_t n = lens[qi] - b < 16 ? lens[qi] - b : 16;
+            if (n <= 0) continue;
+            const float *q = qs[qi];
+            __m512 v[16];
+            for (int u = 0; u < 16; u++) {
+                if (u < n) {
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kt + u * 16 * C));
+                    for (int i = 1; i < C; i++)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), _mm512_loadu_ps(kt + u * 16 * C + 16 * i), a);
+                    v[u] = a;
+                } else {
+                    v[u] = _mm512_setzero_ps();
+                }
+            }
+            const __mmask16 m = tail_mask(n);
+            const __m512 s = _mm512_mul_ps(sum16(v), sc);
+            _mm512_mask_storeu_ps(p + qi * SQ_KV_CHUNK + b, m, s);
+            mx[qi] = _mm512_mask_max_ps(mx[qi], m, mx[qi], s);
+        }
+    }
+    float top[6], sum[6];
+    for (int qi = 0; qi < Q; qi++) {
+        float *pq = p + qi * SQ_KV_CHUNK;
+        top[qi] = _mm512_reduce_max_ps(mx[qi]);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t t = 0; t < lens[qi]; t += 16) {
+            const __mmask16 m = tail_mask(lens[qi] - t);
+            const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pq + t), _mm512_set1_ps(top[qi])));
+            _mm512_mask_storeu_ps(pq + t, m, e);
+            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+        }
+        sum[qi] = _mm512_reduce_add_ps(total);
+        for (int i = 0; i < C; i++) acc[qi][i] = _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < most; t++) {
+        __m512 r[8];
+        kivi_value(src, t0 + t, r, C);
+        for (int qi = 0; qi < Q; qi++) {
+            if (t >= lens[qi]) continue;
+            const __m512 w = _mm512_set1_ps(p[qi * SQ_KV_CHUNK + t]);
+            for (int i = 0; i < C; i++) acc[qi][i] = _mm512_fmadd_ps(w, r[i], acc[qi][i]);
+        }
+    }
+    for (int qi = 0; qi < Q; qi++) {
+        for (int i = 0; i < C; i++) _mm512_storeu_ps(res[qi] + 16 * i, acc[qi][i]);
+        res[qi][16 * C] = top[qi];
+        res[qi][16 * C + 1] = sum[qi];
+    }
+}
+
+/* the most queries of a (chunk, key/value head) task that `attend_kivi` takes, in batches: beyond, a chunk tile */
+#define SQ_KIVI_QUERIES 24
+
+/* the most queries `attend_kivi` takes at once for C registers a row: its accumulators stay in registers */
+static inline int kivi_batch(int64_t hd) { return hd == 64 ? 6 : 2; }
+
+/* whether `attend_kivi` runs this cache: head dims 64 and 128, value groups of whole registers */
+static int kivi_in_registers(const sq_kvq *q, int64_t hd) {
+    return (hd == 64 || hd == 128) && q->vgroup % 16 == 0;
+}
+
+static void attend_kivi(const float *const *qs, const int64_t *lens, int Q, const kivi_src *src, int64_t t0,
+                        int64_t hd, float scaling, float *kt, float *p, float *const *res) {
+#define SQ_KIVI(n, c) \
+    case n: attend_kivi_zmm(qs, lens, src, t0, scaling, kt, p, res, n, c); break
+    if (hd == 64) {
+        switch (Q) { SQ_KIVI(1, 4); SQ_KIVI(2, 4); SQ_KIVI(3, 4); SQ_KIVI(4, 4); SQ_KIVI(5, 4); SQ_KIVI(6, 4); }
+    } else {
+        switch (Q) { SQ_KIVI(1, 8); SQ_KIVI(2, 8); }
+    }
+#undef SQ_KIVI
+}
+#endif
