@@ -33,7 +33,8 @@
 #   engine.native_dot=fp32 and bf16, each int4/int8 checkpoint at fp32 and int8, after 128- and 512-token open
 #   prompts (64 new tokens); speculation (lookup on grounded prompts, self-draft on open ones for the float model,
 #   lookup for each int4/int8 checkpoint at its fastest precision) against llama.cpp's plain decode; one 4,000-token
-#   prompt (32 new tokens) for the float model and each checkpoint at int8 activations; 3 prompts (1 at 4,000) x 3
+#   prompt (32 new tokens) for the float model and each checkpoint at int8 activations, with each KV cache beside
+#   llama.cpp's of the same bits (kv=fp / int8 / int4: its f16 / q8_0 / q4_0); 3 prompts (1 at 4,000) x 3
 #   repeats each, a ratio per repeat, the median in BENCHMARKS.md's "Beside llama.cpp" table and the README
 #   (toolkit/report/llamacpp.py). Tagged +bench=llamacpp, so they stay out of the main table's rows.
 #
@@ -132,14 +133,15 @@ if [[ $PEERS == *llamacpp* && ${LLAMACPP:-1} == 1 ]]; then
   specquant bench "model=$MODEL" kv=fp spec=lookup prompts=grounded prompt_tokens=256 new_tokens=128 n_prompts=3 "${SIDE[@]}" \
     ${EXTRA:-}
   specquant bench "model=$MODEL" kv=fp spec=self prompts=open prompt_tokens=128 new_tokens=128 n_prompts=3 "${SIDE[@]}" ${EXTRA:-}
-  # long context: one 4,000-token prompt (kv=fp: fp16 on an AVX512 CPU, as llama.cpp's f16 cache)
-  specquant bench "model=$MODEL" kv=fp spec=none prompts=open prompt_tokens=4000 new_tokens=32 n_prompts=1 \
+  # long context: one 4,000-token prompt (kv=fp: fp16 on an AVX512 CPU, as llama.cpp's f16 cache; kv=int8 / int4
+  # beside llama.cpp's q8_0 / q4_0 cache)
+  specquant bench -m "model=$MODEL" kv=fp,int8,int4 spec=none prompts=open prompt_tokens=4000 new_tokens=32 n_prompts=1 \
     "${SIDE[@]}" ${EXTRA:-}
   for dir in "${int8act[@]}"; do
     specquant bench -m "model=$dir" engine.native_dot=fp32,int8 kv=fp spec=none prompts=open prompt_tokens=128,512 \
       new_tokens=64 n_prompts=3 "${SIDE[@]}" ${EXTRA:-} || echo "== sweep: a llama.cpp side-by-side of $dir failed (see above)"
-    specquant bench "model=$dir" engine.native_dot=int8 kv=fp spec=none prompts=open prompt_tokens=4000 new_tokens=32 \
-      n_prompts=1 "${SIDE[@]}" ${EXTRA:-} || echo "== sweep: no 4,000-token run of $dir (see above)"
+    specquant bench -m "model=$dir" engine.native_dot=int8 kv=fp,int8,int4 spec=none prompts=open prompt_tokens=4000 \
+      new_tokens=32 n_prompts=1 "${SIDE[@]}" ${EXTRA:-} || echo "== sweep: no 4,000-token run of $dir (see above)"
     specquant bench "model=$dir" engine.native_dot=int8 kv=fp spec=lookup prompts=grounded prompt_tokens=256 \
       new_tokens=128 n_prompts=3 "${SIDE[@]}" ${EXTRA:-} || specquant bench "model=$dir" kv=fp spec=lookup prompts=grounded \
       prompt_tokens=256 new_tokens=128 n_prompts=3 "${SIDE[@]}" ${EXTRA:-}

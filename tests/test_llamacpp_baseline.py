@@ -26,10 +26,13 @@ def _bench(model: str, baseline: str, tmp_path, *more: str):
 class _FakeLlamaCpp:
     """What `llamacpp.peer_for` returns, without llama-cpp-python: fixed tokens, a made-up clock (1 s to the first
     token, then 0.5 s a token), so the spec bench's llama.cpp figures can be checked exactly."""
-    path, weights, fallback_reason = "fake.gguf", "same weights", None
+    path, weights, fallback_reason, kv_type = "fake.gguf", "same weights", None, "f16"
 
     def weight_bytes(self):
         return 1 << 20
+
+    def kv_bytes_per_element(self):
+        return llamacpp.KV_TYPE_BYTES[self.kv_type]
 
     def run(self, ids, new_tokens):
         from toolkit.timing import GenerationTiming
@@ -38,6 +41,35 @@ class _FakeLlamaCpp:
 
     def describe(self):
         return "llama.cpp F16, same weights"
+
+
+def test_llama_cpp_keeps_its_kv_cache_at_the_engines_kv_bits(tiny_llama_dir, tmp_path, monkeypatch):
+    """kv=int8 / int4 runs llama.cpp with a q8_0 / q4_0 KV cache (its `type_k` / `type_v`): the result and the
+    "Beside llama.cpp" table say which, and its floor counts those bytes."""
+    from toolkit.report.llamacpp import _cells
+
+    assert [llamacpp.kv_type(k) for k in ("fp", "int8", "int4", "int2")] == ["f16", "q8_0", "q4_0", "q4_0"]
+    asked = []
+
+    def peer_for(model, bits, n_ctx, threads, kv="f16"):
+        asked.append(kv)
+        peer = _FakeLlamaCpp()
+        peer.kv_type = kv
+        return peer
+
+    monkeypatch.setattr(llamacpp, "unavailable", lambda: None)
+    monkeypatch.setattr(llamacpp, "peer_for", peer_for)
+    floors = {}
+    for kv in ("fp", "int8", "int4"):
+        result = _bench(str(tiny_llama_dir), "llamacpp", tmp_path, f"kv={kv}", "repeats=3")
+        assert result["llamacpp"]["kv_type"] == llamacpp.kv_type(kv)
+        # bytes a step (the bandwidth is measured per run)
+        floors[kv] = result["machine"]["memory_bandwidth_gbs"] * 1e9 / result["llamacpp"]["decode_floor"][
+            "floor_tokens_per_s"] - (1 << 20)
+        theirs = _cells(result)[1]
+        assert theirs == ("F16" if kv == "fp" else f"F16, KV {llamacpp.kv_type(kv)}"), theirs
+    assert asked == ["f16", "q8_0", "q4_0"]
+    assert floors["fp"] / 2 == pytest.approx(floors["int8"] / (34 / 32)) == pytest.approx(floors["int4"] / (18 / 32))
 
 
 def test_the_spec_bench_times_llama_cpp_plain_decode_beside_speculation(tiny_llama_dir, tmp_path, monkeypatch):

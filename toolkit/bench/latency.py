@@ -92,10 +92,13 @@ def run_latency_bench(engine_model, tokenizer, reference_model, prompts: list[li
         theirs = summarize(timings["llamacpp"], peaks["llamacpp"], name="llama.cpp", dtype=llamacpp.describe())
         theirs["weights"] = llamacpp.weights  # "same weights" (our export) or which requantized file it ran
         theirs["gguf"] = str(llamacpp.path)
+        theirs["kv_type"] = llamacpp.kv_type
         if llamacpp.fallback_reason:
             theirs["fallback_reason"] = llamacpp.fallback_reason
-        # its floor as the engine's: the GGUF's bytes, and an f16 KV cache (llama.cpp's default) at the mean context
-        seconds = (llamacpp.weight_bytes() + kv_bytes_per_token(engine_model, torch.float16) * mean_context) / bandwidth
+        # its floor as the engine's: the GGUF's bytes, and its KV cache's (f16, or q8_0 / q4_0 blocks) at the mean
+        # context
+        kv_token = kv_bytes_per_token(engine_model, torch.float16) / 2 * llamacpp.kv_bytes_per_element()
+        seconds = (llamacpp.weight_bytes() + kv_token * mean_context) / bandwidth
         theirs["decode_floor"] = {"weight_bytes": llamacpp.weight_bytes(), "floor_tokens_per_s": 1 / seconds,
                                   "times_floor": 1 / seconds / theirs["decode_tokens_per_s"]}
         result["llamacpp"] = theirs

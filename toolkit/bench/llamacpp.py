@@ -34,6 +34,15 @@ from toolkit.timing import GenerationTiming, Stopwatch
 
 TYPES = ("F16", "Q8_0", "Q4_0")
 FALLBACK = "registry GGUF, requantized"
+# llama.cpp's KV cache type beside each of ours (its `type_k` / `type_v`): the same bits; it has no 2-bit type
+KV_TYPES = {"fp": "f16", "int8": "q8_0", "int4": "q4_0", "int2": "q4_0"}
+# bytes an element of each KV type takes: blocks of 32 with an fp16 scale
+KV_TYPE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def kv_type(kind: str) -> str:
+    """llama.cpp's KV cache type for our `kv` kind (KVSpec.kind): the same bits (q4_0 for int2: the nearest)."""
+    return KV_TYPES[kind]
 
 
 def unavailable() -> str | None:
@@ -134,18 +143,19 @@ def exported_gguf(model_name: str) -> tuple[Path, dict]:
     return target, record
 
 
-def peer_for(model_name: str, bits: int | None, n_ctx: int, threads: int) -> LlamaCpp:
+def peer_for(model_name: str, bits: int | None, n_ctx: int, threads: int, kv: str = "f16") -> LlamaCpp:
     """llama.cpp on the benchmarked model's own weights (`exported_gguf`), or where that export cannot be made,
-    on the registry GGUF requantized to the nearest type (the row's ``weights`` says which)."""
+    on the registry GGUF requantized to the nearest type (the row's ``weights`` says which); its KV cache of type
+    `kv` (`kv_type`: the bits of the engine's)."""
 
     try:
         path, record = exported_gguf(model_name)
-        return LlamaCpp(path, record["type"], n_ctx, threads, weights=record["weights"])
+        return LlamaCpp(path, record["type"], n_ctx, threads, weights=record["weights"], kv=kv)
     except (ExportError, InputError, ModelError) as exc:
 
         gguf_type = nearest_type(bits)
         peer = LlamaCpp(gguf_of_type(float_source(model_name), gguf_type), gguf_type, n_ctx, threads,
-                        weights=FALLBACK)
+                        weights=FALLBACK, kv=kv)
         peer.fallback_reason = str(exc)
         return peer
 
@@ -154,13 +164,16 @@ class LlamaCpp:
     """One llama.cpp model, run greedily on token ids: `run(ids, new_tokens) -> (tokens, timing)` with the same
     TTFT / ITL marks as the engine's runs (first token after the prompt's evaluation, then one per step)."""
 
-    def __init__(self, path: Path, gguf_type: str, n_ctx: int, threads: int, weights: str = FALLBACK):
+    def __init__(self, path: Path, gguf_type: str, n_ctx: int, threads: int, weights: str = FALLBACK,
+                 kv: str = "f16"):
         import llama_cpp
 
-        self.path, self.gguf_type, self.weights = path, gguf_type, weights
+        self.path, self.gguf_type, self.weights, self.kv_type = path, gguf_type, weights, kv
         self.fallback_reason: str | None = None
+        kv_code = getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}")  # a quantized KV cache needs flash attention
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   n_batch=min(n_ctx, 2048), flash_attn=True, verbose=False)
+                                   n_batch=min(n_ctx, 2048), flash_attn=True, type_k=kv_code, type_v=kv_code,
+                                   verbose=False)
 
     def run(self, ids: list[int], new_tokens: int) -> tuple[list[int], GenerationTiming]:
         # llama-cpp-python's generate() keeps the longest prefix its context already holds (a repeated prompt would
@@ -178,5 +191,8 @@ class LlamaCpp:
         """Bytes a decode step reads, as for the engine: the file's tensors (a close upper bound)."""
         return self.path.stat().st_size
 
+    def kv_bytes_per_element(self) -> float:
+        return KV_TYPE_BYTES[self.kv_type]
+
     def describe(self) -> str:
-        return f"llama.cpp {self.gguf_type}, {self.weights}"
+        return f"llama.cpp {self.gguf_type}, {self.weights}" + (f", KV {self.kv_type}" if self.kv_type != "f16" else "")

@@ -125,6 +125,7 @@ def run_spec_bench(model, tokenizer, draft, length: DraftLength, prompts: list[l
         theirs_decode = sum(totals["llamacpp"]) - sum(prefills["llamacpp"])
         theirs_tokens = sum(len(t) for t in outputs["llamacpp"])
         figures["llamacpp"] = {"dtype": llamacpp.describe(), "gguf": str(llamacpp.path), "weights": llamacpp.weights,
+                               "kv_type": getattr(llamacpp, "kv_type", "f16"),
                                "ttft_ms": 1000 * statistics.mean(prefills["llamacpp"]),
                                "decode_tokens_per_s": (theirs_tokens - len(totals["llamacpp"])) / theirs_decode}
         figures["speedup_vs_llamacpp"] = figures["decode_tokens_per_s"] / figures["llamacpp"]["decode_tokens_per_s"]
@@ -161,7 +162,8 @@ def spec_bench(model_name: str, engine: EngineSpec, spec_cfg, prompts: str, prom
         peer_missing = llamacpp.unavailable()
         if peer_missing is None:
             n_ctx = max(len(ids) for ids in prompt_ids) + new_tokens + 16
-            peer = llamacpp.peer_for(model_name, llamacpp.checkpoint_bits(model_name), n_ctx, torch.get_num_threads())
+            peer = llamacpp.peer_for(model_name, llamacpp.checkpoint_bits(model_name), n_ctx, torch.get_num_threads(),
+                                     llamacpp.kv_type(kv_spec(kv).kind))
     figures = run_spec_bench(loaded.model, loaded.tokenizer, draft, length, prompt_ids, new_tokens, repeats, warmup,
                              kv=kv, llamacpp=peer)
     if peer_missing:

@@ -22,7 +22,7 @@ from toolkit.engine.setup import (
 )
 from toolkit.engine.spec import EngineSpec
 from toolkit.errors import InputError
-from toolkit.kv import KVSpec
+from toolkit.kv import KVSpec, kv_spec
 from toolkit.machine import machine_facts
 from toolkit.models import load_model
 from toolkit.quant.formats import is_quantized_model
@@ -63,7 +63,8 @@ def bench(model_name: str, engine: EngineSpec, prompts: str, prompt_tokens: int,
         peer_missing = llamacpp.unavailable()
         if peer_missing is None:
             n_ctx = max(len(ids) for ids in prompt_ids) + new_tokens + 16
-            peer = llamacpp.peer_for(model_name, llamacpp.checkpoint_bits(model_name), n_ctx, threads or torch.get_num_threads())
+            peer = llamacpp.peer_for(model_name, llamacpp.checkpoint_bits(model_name), n_ctx,
+                                     threads or torch.get_num_threads(), llamacpp.kv_type(kv_spec(kv).kind))
     machine = machine_facts(measure=True)
     with console.status(f"timing {len(prompt_ids)} prompts x {repeats} repeats, engine"
                         + (" and transformers generate() interleaved" if reference is not None else "")):

@@ -3,7 +3,7 @@ more repeats (`specquant bench baseline=llamacpp repeats=3`, as eval/sweep.sh's 
 weights x engine precision x speculation x prompt set x prompt length (the latest result wins), each figure the
 median of the per-repeat ratios (toolkit/bench/repeats.py) with their range."""
 
-from toolkit.report.rows import config_key, gguf_type, model_label
+from toolkit.report.rows import config_key, gguf_type, kv_type_text, model_label
 
 MIN_REPEATS = 3  # fewer repeats give a pooled ratio only: BENCHMARKS.md's main table shows those
 COLUMNS = ["weights", "llama.cpp", "engine", "speculation", "prompts", "prompt tokens", "decode x llama.cpp",
@@ -33,7 +33,10 @@ def _cells(result: dict) -> list[str]:
     if kv != "fp":
         engine += f", kv={kv}"
     same = result.get("identical_runs", "—") if spec != "none" else "—"
-    return [model_label(model), gguf_type(result["llamacpp"]), engine, spec, str(result.get("prompts", "?")),
+    theirs = gguf_type(result["llamacpp"])
+    if kv_type_text(result["llamacpp"]) != "f16":
+        theirs += f", KV {kv_type_text(result['llamacpp'])}"
+    return [model_label(model), theirs, engine, spec, str(result.get("prompts", "?")),
             str(result.get("prompt_tokens", "?")), _range(ratios["decode_median"], ratios["decode_runs"]),
             _range(ratios["ttft_median"], ratios["ttft_runs"]), same, str(ratios["repeats"])]
 
@@ -52,7 +55,8 @@ def render_side_by_side(results: list[dict]) -> str:
               f"threads; the figure is the median over the repeats, its range in brackets. A speculative row is our "
               f"speculative decode against llama.cpp's plain decode; its greedy = no-spec column counts runs whose "
               f"tokens equal the engine's without speculation. llama.cpp runs the engine's own weights exported "
-              f"as GGUF (`specquant export format=gguf`), flash attention on, its f16 KV cache. CPU: "
+              f"as GGUF (`specquant export format=gguf`), flash attention on, its KV cache at the engine's bits (f16 "
+              f"beside kv=fp, q8_0 beside kv=int8, q4_0 beside kv=int4, named in its column where not f16). CPU: "
               f"{', '.join(cpus)} ({'; '.join(flags) or 'flags not recorded'}). Written by `specquant report`.")
     return "\n".join(lines + ["", legend])
 

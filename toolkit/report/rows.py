@@ -142,6 +142,11 @@ def build_rows(results: list[dict], data: str | None = None) -> list[Row]:
     return out + peer_rows(results, rows)
 
 
+def kv_type_text(peer: dict) -> str:
+    """llama.cpp's KV cache type in a result's `llamacpp` figures (f16 where a run predates the field)."""
+    return str(peer.get("kv_type") or "f16")
+
+
 def gguf_type(peer: dict) -> str:
     """The GGUF type llama.cpp ran (F16, Q8_0, Q4_0) from a result's `llamacpp` figures."""
     if peer.get("gguf_type"):
@@ -167,7 +172,7 @@ def llamacpp_row(row: Row) -> Row | None:
     protocol = (f"{result.get('prompts', '?')} prompts, {peer.get('prompt_tokens', result.get('prompt_tokens', '?'))}"
                 f" prompt + {peer.get('new_tokens', result.get('new_tokens', '?'))} new tokens, "
                 f"{peer.get('runs', result.get('runs', '?'))} runs, {result.get('threads', '?')} threads, llama.cpp "
-                f"(llama-cpp-python) on {_weights_text(peer, kind)}, its own f16 KV cache, greedy on the engine's "
+                f"(llama-cpp-python) on {_weights_text(peer, kind)}, its own {kv_type_text(peer)} KV cache, greedy on the engine's "
                 f"prompt token ids, interleaved with the engine's run")
     machine = result.get("machine") or {}
     if machine.get("cpu"):
