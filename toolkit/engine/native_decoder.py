@@ -534,15 +534,21 @@ class NativeDecoder:
         edges = [0, *cache.read_splits(rows), rows]
         for a, b in zip(edges, edges[1:]):
             first = layers[0]
-            if any(layer.length != first.length or layer.quantized != first.quantized
-                   or layer.v_quantized != first.v_quantized or not native_kv.reads(layer) for layer in layers):
+            if any(layer.length != first.length for layer in layers):  # one config: the same bounds at one length
                 raise RuntimeError("the KV cache's layers hold different lengths")
-            structs, bounds = self._kivi.structs(cache, layers, b - a, d.kv_heads, d.head_dim)
+            # where no token leaves the window, the stack writes the new ones straight behind it (a decode step
+            # between flushes); else to a scratch, appended (and quantized) by the cache after the call
+            in_place = first.in_window(b - a)
+            structs, bounds = self._kivi.structs(cache, layers, b - a, d.kv_heads, d.head_dim, in_place)
             piece = hidden[0, a:b]
             rc = library().sq_decoder_layers_kvq(ctypes.byref(self.layers), self.n_layers, ctypes.byref(d),
                                                  piece.data_ptr(), b - a, cos[a:b].data_ptr(), sin[a:b].data_ptr(),
                                                  ctypes.byref(structs), ctypes.byref(bounds), first.length)
             if rc:
                 raise RuntimeError(f"the native decoder failed (rc {rc})")
-            self._kivi.append(layers, b - a, d.kv_heads, d.head_dim)
+            if in_place:
+                for layer in layers:
+                    layer.grow_in_window(b - a)
+            else:
+                self._kivi.append(layers, b - a, d.kv_heads, d.head_dim)
         return hidden

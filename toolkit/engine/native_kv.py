@@ -33,7 +33,7 @@ class _KVQLayer(ctypes.Structure):
 
 class _KVQ(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("bits", "group", "vgroup", "flushed_keys", "flushed_values", "sink",
-                                          "key_cap", "value_cap", "res_cap", "sink_cap")]
+                                          "key_cap", "value_cap", "res_cap", "sink_cap", "new_rows", "new_at")]
 
 
 def reads(layer) -> bool:
@@ -46,12 +46,13 @@ def reads(layer) -> bool:
 
 
 class KIVIView:
-    """The stack's view of one cache: the per-layer address structs, remade only when the cache's buffers or the
-    scratch were (re)made, and the scratch for a call's new keys and values."""
+    """The stack's view of the caches it reads: per cache (weakly held: a cache dropped takes its entry along; a copy
+    is another cache), the per-layer address structs -- one array with the new rows going to a scratch, one with them
+    going in place behind the full-precision window -- remade only when some layer's buffers were (re)made
+    (`QuantizedKVLayer.buffer_epoch`) or the scratch was; and the scratch for a call's new keys and values."""
 
     def __init__(self):
-        self._key = None
-        self._layers = None
+        self._arrays = weakref.WeakKeyDictionary()  # cache -> ((epoch, scratch address), (scratch, in place))
         self._new = None  # [2, layers, kv_heads * rows * head_dim] fp32: keys, values
 
     def _scratch(self, n_layers: int, kv_heads: int, rows: int, head_dim: int) -> torch.Tensor:
@@ -60,29 +61,34 @@ class KIVIView:
             self._new = torch.empty(2, n_layers, size)
         return self._new
 
-    def structs(self, cache, layers: list, rows: int, kv_heads: int, head_dim: int):
-        """(the layers' `_KVQLayer` array, the bounds' `_KVQ`) for a call of `rows` rows. The array is remade when
-        any tensor it points into is another object (weak references: a tensor freed since, and another at its
-        address, cannot pass for it; a copied or reordered cache gets its own)."""
+    def structs(self, cache, layers: list, rows: int, kv_heads: int, head_dim: int, in_place: bool):
+        """(the layers' `_KVQLayer` array, the bounds' `_KVQ`) for a call of `rows` rows, its new keys and values
+        written in place behind each layer's full-precision window (`in_place`: `QuantizedKVLayer.in_window`) or to
+        the scratch (`append` after the call)."""
         new = self._scratch(len(layers), kv_heads, rows, head_dim)
-        tensors = [(new, layer.k_codes[0], layer.v_codes[0], layer.k_scale, layer.k_min, layer.v_scale, layer.v_min,
-                    layer.k8_codes, layer.k8_scale, layer.k8_min, layer.k_res, layer.v_res,
-                    getattr(layer, "k_sink", None), getattr(layer, "v_sink", None)) for layer in layers]
-        if self._key is None or len(self._key) != len(tensors) or any(
-                (None if a is None else a()) is not b
-                for held, now in zip(self._key, tensors) for a, b in zip(held, now)):
+        key = (QuantizedKVLayer.buffer_epoch, new.data_ptr(), len(layers))
+        held = self._arrays.get(cache)
+        if held is None or held[0] != key:
             def ptr(t):
                 return None if t is None else t.data_ptr()
 
-            self._layers = (_KVQLayer * len(layers))(*(
-                _KVQLayer(*map(ptr, held[1:]), new[0, i].data_ptr(), new[1, i].data_ptr())
-                for i, held in enumerate(tensors)))
-            self._key = [tuple(None if t is None else weakref.ref(t) for t in held) for held in tensors]
+            def array(window: bool):
+                return (_KVQLayer * len(layers))(*(_KVQLayer(
+                    *map(ptr, (layer.k_codes[0], layer.v_codes[0], layer.k_scale, layer.k_min, layer.v_scale,
+                               layer.v_min, layer.k8_codes, layer.k8_scale, layer.k8_min, layer.k_res, layer.v_res,
+                               getattr(layer, "k_sink", None), getattr(layer, "v_sink", None))),
+                    *map(ptr, (layer.k_res, layer.v_res) if window else (new[0, i], new[1, i])))
+                    for i, layer in enumerate(layers)))
+
+            held = key, (array(False), array(True))
+            self._arrays[cache] = held
         first, cfg = layers[0], layers[0].cfg
+        res_cap = first.k_res.shape[2]
+        new_rows, new_at = (res_cap, first.length - first.v_quantized) if in_place else (rows, 0)
         bounds = _KVQ(cfg.bits, cfg.group_size, first.value_group, first.quantized, first.v_quantized,
                       min(cfg.sink, first.v_quantized), first.k_codes[0].shape[2], first.v_codes[0].shape[2],
-                      first.k_res.shape[2], cfg.sink)
-        return self._layers, bounds
+                      res_cap, cfg.sink, new_rows, new_at)
+        return held[1][in_place], bounds
 
     def append(self, layers: list, rows: int, kv_heads: int, head_dim: int) -> None:
         """Each layer's new keys and values (the last call's, from the scratch) appended to it."""

@@ -183,8 +183,10 @@ static void attend_head(const float *q, const void *kb, const void *vb, int64_t 
  * tokens), those up to `flushed_values` staged keys (INT8 per token in a ring of 2 * group slots, one fp16 scale and
  * minimum per `vgroup` channels); values below `flushed_values` are codes per token (scale and minimum per `vgroup`
  * channels); the first `sink` positions are read from their originals; from `flushed_values` to the cache's length
- * the full-precision window; then this call's new rows, which the stack writes to `k_new` / `v_new` [kv_heads][M]
- * [head_dim] (the Python side appends them to the cache after the call: it quantizes what leaves the window). */
+ * the full-precision window; then this call's new rows, which the stack writes to `k_new` / `v_new`
+ * [kv_heads][new_rows][head_dim]: a scratch (new_rows = M) that the Python side appends to the cache after the call
+ * (it quantizes what leaves the window), or, where no token leaves the window, the window itself behind its last
+ * token (k_new = k_res, new_rows = res_cap, new_at = the tokens it holds); new row m at row new_at + m. */
 typedef struct {
     const uint8_t *k_codes, *v_codes;                   /* [kv_heads][key_cap or value_cap][head_dim * bits / 8] */
     const uint16_t *k_scale, *k_min;                    /* [kv_heads][key_cap / group][head_dim] */
@@ -193,11 +195,12 @@ typedef struct {
     const uint16_t *k8_scale, *k8_min;                  /* [kv_heads][2 * group][head_dim / vgroup] */
     const float *k_res, *v_res;                         /* [kv_heads][res_cap][head_dim] */
     const float *k_sink, *v_sink;                       /* [kv_heads][sink_cap][head_dim], or NULL */
-    float *k_new, *v_new;                               /* [kv_heads][M][head_dim]: written by the stack */
+    float *k_new, *v_new;                               /* [kv_heads][new_rows][head_dim]: written by the stack */
 } sq_kvq_layer;
 
 typedef struct {
     int64_t bits, group, vgroup, flushed_keys, flushed_values, sink, key_cap, value_cap, res_cap, sink_cap;
+    int64_t new_rows, new_at;
 } sq_kvq;
 
 /* codes of one row (`bits` each, packed lowest bits first along the channels) times scale plus minimum, into
@@ -235,15 +238,15 @@ static void dequant_row(const uint8_t *codes, int64_t bits, const uint16_t *scal
 /* keys and values of positions t0..t1-1 of key/value head `kvh` in fp32, into kt and vt [t1 - t0][hd]: what each
  * position holds whatever the rows that read it (row independence) */
 static void fill_chunk(const sq_kvq_layer *L, const sq_kvq *q, int64_t kvh, int64_t t0, int64_t t1, int64_t start,
-                       int64_t M, int64_t hd, float *kt, float *vt) {
+                       int64_t hd, float *kt, float *vt) {
     const int64_t rowb = hd * q->bits / 8, G = q->group, ring = 2 * G, vpr = hd / q->vgroup;
     const int64_t Tk = q->flushed_keys, Tv = q->flushed_values;
     const size_t row = sizeof(float) * hd;
     for (int64_t t = t0; t < t1; t++) {
         float *kr = kt + (t - t0) * hd, *vr = vt + (t - t0) * hd;
         if (t >= start) {
-            memcpy(kr, L->k_new + (kvh * M + t - start) * hd, row);
-            memcpy(vr, L->v_new + (kvh * M + t - start) * hd, row);
+            memcpy(kr, L->k_new + (kvh * q->new_rows + q->new_at + t - start) * hd, row);
+            memcpy(vr, L->v_new + (kvh * q->new_rows + q->new_at + t - start) * hd, row);
         } else if (t >= Tv) {
             memcpy(kr, L->k_res + (kvh * q->res_cap + t - Tv) * hd, row);
             memcpy(vr, L->v_res + (kvh * q->res_cap + t - Tv) * hd, row);
@@ -276,14 +279,15 @@ typedef struct {
     const uint8_t *k_codes, *v_codes, *k8_codes;
     const uint16_t *k_scale, *k_min, *v_scale, *v_min, *k8_scale, *k8_min;
     const float *k_res, *v_res, *k_sink, *v_sink, *k_new, *v_new;
-    int64_t start, flushed_keys, flushed_values, sink, bits, rowb, vpr, per, group_shift, ring_mask;
+    int64_t start, flushed_keys, flushed_values, sink, bits, rowb, vpr, vg_shift, group_shift, ring_mask;
 } kivi_src;
 
-static kivi_src kivi_head(const sq_kvq_layer *L, const sq_kvq *q, int64_t kvh, int64_t start, int64_t M, int64_t hd) {
+static kivi_src kivi_head(const sq_kvq_layer *L, const sq_kvq *q, int64_t kvh, int64_t start, int64_t hd) {
     kivi_src s;
     const int64_t rowb = hd * q->bits / 8, vpr = hd / q->vgroup, ring = 2 * q->group;
-    int64_t shift = 0;
+    int64_t shift = 0, vg_shift = 0;
     while (((int64_t)1 << shift) < q->group) shift++;
+    while (((int64_t)1 << vg_shift) < q->vgroup) vg_shift++;
     s.k_codes = L->k_codes + kvh * q->key_cap * rowb;
     s.v_codes = L->v_codes + kvh * q->value_cap * rowb;
     s.k8_codes = L->k8_codes + kvh * ring * hd;
@@ -297,10 +301,10 @@ static kivi_src kivi_head(const sq_kvq_layer *L, const sq_kvq *q, int64_t kvh, i
     s.v_res = L->v_res + kvh * q->res_cap * hd;
     s.k_sink = L->k_sink ? L->k_sink + kvh * q->sink_cap * hd : NULL;
     s.v_sink = L->v_sink ? L->v_sink + kvh * q->sink_cap * hd : NULL;
-    s.k_new = L->k_new + kvh * M * hd;
-    s.v_new = L->v_new + kvh * M * hd;
+    s.k_new = L->k_new + (kvh * q->new_rows + q->new_at) * hd;
+    s.v_new = L->v_new + (kvh * q->new_rows + q->new_at) * hd;
     s.start = start, s.flushed_keys = q->flushed_keys, s.flushed_values = q->flushed_values, s.sink = q->sink;
-    s.bits = q->bits, s.rowb = rowb, s.vpr = vpr, s.per = q->vgroup / 16, s.group_shift = shift, s.ring_mask = ring - 1;
+    s.bits = q->bits, s.rowb = rowb, s.vpr = vpr, s.vg_shift = vg_shift, s.group_shift = shift, s.ring_mask = ring - 1;
     return s;
 }
 
@@ -323,6 +327,27 @@ static inline __m512 codes16(const uint8_t *row, int64_t j, const int64_t bits) 
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
 }
 
+/* a whole row's codes into r[C] (C % 4 == 0): 64 4-bit codes from each 32 bytes at once (a quarter of the unpacking
+ * steps of `codes16`, the same values); other widths 16 at a time */
+static inline __attribute__((always_inline)) void codes_row(const uint8_t *row, const int64_t bits, __m512 *r,
+                                                            const int C) {
+    if (bits != 4) {
+        for (int i = 0; i < C; i++) r[i] = codes16(row, 16 * i, bits);
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int i = 0; i < C; i += 4) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(row + 8 * i));
+        const __m256i lo = _mm256_and_si256(x, low), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+        /* per 128-bit lane, bytes interleaved low, high: a = codes 0-15 | 32-47, b = 16-31 | 48-63 */
+        const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+        r[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(a)));
+        r[i + 1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
+        r[i + 2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(a, 1)));
+        r[i + 3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)));
+    }
+}
+
 static inline __m512 half16(const uint16_t *x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)x)); }
 
 /* a full-precision row of position t (the new rows, the window, the sinks), or NULL: its codes are read */
@@ -335,15 +360,17 @@ static inline const float *kivi_fp(const kivi_src *s, int64_t t, const int value
 
 /* codes times a scale and minimum per `per` registers (fp16 sc, mn: one per value group) into r[C] */
 static inline __attribute__((always_inline)) void grouped_row(const uint8_t *row, int64_t bits, const uint16_t *sc,
-                                                              const uint16_t *mn, int64_t per, __m512 *r,
+                                                              const uint16_t *mn, int64_t vg_shift, __m512 *r,
                                                               const int C) {
     __m512 s = _mm512_setzero_ps(), m = s;
-    for (int i = 0; i < C; i++) {
-        if (i % per == 0) {
-            s = _mm512_set1_ps(_cvtsh_ss(sc[i / per]));
-            m = _mm512_set1_ps(_cvtsh_ss(mn[i / per]));
+    codes_row(row, bits, r, C);
+    for (int i = 0; i < C; i++) { /* channels 16 i.. lie in value group 16 i >> vg_shift (a shift, not a division) */
+        const int64_t g = (int64_t)(16 * i) >> vg_shift;
+        if (i == 0 || g != ((int64_t)(16 * (i - 1)) >> vg_shift)) {
+            s = _mm512_set1_ps(_cvtsh_ss(sc[g]));
+            m = _mm512_set1_ps(_cvtsh_ss(mn[g]));
         }
-        r[i] = _mm512_fmadd_ps(codes16(row, 16 * i, bits), s, m);
+        r[i] = _mm512_fmadd_ps(r[i], s, m);
     }
 }
 
@@ -360,9 +387,9 @@ static inline __attribute__((always_inline)) void kivi_keys(const kivi_src *s, i
             mn[i] = half16(s->k_min + g * hd + 16 * i);
         }
         for (int64_t u = 0; u < n; u++) {
-            const uint8_t *row = s->k_codes + (t + u) * s->rowb;
-            for (int i = 0; i < C; i++)
-                _mm512_storeu_ps(kt + u * hd + 16 * i, _mm512_fmadd_ps(codes16(row, 16 * i, s->bits), sc[i], mn[i]));
+            __m512 r[8];
+            codes_row(s->k_codes + (t + u) * s->rowb, s->bits, r, C);
+            for (int i = 0; i < C; i++) _mm512_storeu_ps(kt + u * hd + 16 * i, _mm512_fmadd_ps(r[i], sc[i], mn[i]));
         }
         return;
     }
@@ -380,7 +407,8 @@ static inline __attribute__((always_inline)) void kivi_keys(const kivi_src *s, i
                                        half16(s->k_min + g * hd + 16 * i));
         } else { /* staged: INT8 per token in the ring */
             const int64_t at = p & s->ring_mask;
-            grouped_row(s->k8_codes + at * hd, 8, s->k8_scale + at * s->vpr, s->k8_min + at * s->vpr, s->per, r, C);
+            grouped_row(s->k8_codes + at * hd, 8, s->k8_scale + at * s->vpr, s->k8_min + at * s->vpr, s->vg_shift,
+                        r, C);
         }
         for (int i = 0; i < C; i++) _mm512_storeu_ps(kt + u * hd + 16 * i, r[i]);
     }
@@ -393,7 +421,7 @@ static inline __attribute__((always_inline)) void kivi_value(const kivi_src *s, 
         for (int i = 0; i < C; i++) r[i] = _mm512_loadu_ps(fp + 16 * i);
         return;
     }
-    grouped_row(s->v_codes + t * s->rowb, s->bits, s->v_scale + t * s->vpr, s->v_min + t * s->vpr, s->per, r, C);
+    grouped_row(s->v_codes + t * s->rowb, s->bits, s->v_scale + t * s->vpr, s->v_min + t * s->vpr, s->vg_shift, r, C);
 }
 
 /* Q query rows of one key/value head's group over positions t0 .. t0 + lens[i] - 1 of a KIVI chunk: each position
@@ -472,9 +500,10 @@ static inline __attribute__((always_inline)) void attend_kivi_zmm(const float *c
 /* the most queries `attend_kivi` takes at once for C registers a row: its accumulators stay in registers */
 static inline int kivi_batch(int64_t hd) { return hd == 64 ? 6 : 2; }
 
-/* whether `attend_kivi` runs this cache: head dims 64 and 128, value groups of whole registers */
+/* whether `attend_kivi` runs this cache: head dims 64 and 128, value groups of whole registers (a power of two:
+ * a group size, or the head dim) */
 static int kivi_in_registers(const sq_kvq *q, int64_t hd) {
-    return (hd == 64 || hd == 128) && q->vgroup % 16 == 0;
+    return (hd == 64 || hd == 128) && q->vgroup % 16 == 0 && (q->vgroup & (q->vgroup - 1)) == 0;
 }
 
 static void attend_kivi(const float *const *qs, const int64_t *lens, int Q, const kivi_src *src, int64_t t0,

@@ -304,6 +304,34 @@ static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
 #include "attention.c"
 
 #ifdef __AVX2__
+#ifdef __AVX512F__
+/* one (chunk, key/value head) task of a decode step or a short pass over a KIVI cache: the group's query heads x
+ * the rows, in batches of `kivi_batch`, each batch reading every position of the chunk once (`attend_kivi`) */
+static void attend_group(const kivi_src *src, const float *wide, int64_t qkvn, int64_t kvh,
+                         int64_t group, int64_t M, int64_t start, int64_t t0, int64_t hd, float scaling, float *parts,
+                         int64_t chunks, int64_t c) {
+    const int64_t stride = hd + 2;
+    float kt[16 * 128], p[6 * SQ_KV_CHUNK];
+    const float *qs[6];
+    float *res[6];
+    int64_t lens[6];
+    int n = 0;
+    for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
+        for (int64_t m = 0; m < M; m++) {
+            const int64_t len = start + m + 1 - t0;
+            if (len <= 0) continue;
+            qs[n] = wide + m * qkvn + h * hd;
+            res[n] = parts + ((h * M + m) * chunks + c) * stride;
+            lens[n++] = len < SQ_KV_CHUNK ? len : SQ_KV_CHUNK;
+            if (n == kivi_batch(hd)) {
+                attend_kivi(qs, lens, n, src, t0, hd, scaling, kt, p, res);
+                n = 0;
+            }
+        }
+    if (n) attend_kivi(qs, lens, n, src, t0, hd, scaling, kt, p, res);
+}
+#endif
+
 /* the stack over a full-precision cache (kbuf, vbuf: each layer's [kv_heads][cap][head_dim] buffers, fp32 or fp16)
  * or, where kq != NULL, a KIVI cache (kv: each layer's `sq_kvq_layer`; cap unused): see sq_decoder_layers below */
 static int stack(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, float *hidden, int64_t M,
@@ -313,7 +341,9 @@ static int stack(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, fl
     const int64_t qn = H * hd, kvn = KV * hd, qkvn = qn + 2 * kvn, group = H / KV, end = start + M;
     const int half = !kq && dm->kv_half != 0, width_kv = half ? 2 : 4; /* bytes a cached element takes */
     if (M <= 0 || hd % 8 || H % KV || hd > 512 || (!kq && end > cap)) return 1;
-    if (kq && (kq->vgroup % 8 || hd % kq->vgroup || (kq->bits != 2 && kq->bits != 4 && kq->bits != 8))) return 1;
+    if (kq && (kq->vgroup % 8 || hd % kq->vgroup || (kq->bits != 2 && kq->bits != 4 && kq->bits != 8)
+               || kq->new_at + M > kq->new_rows))
+        return 1;
     const int64_t width = qkvn > 2 * I ? qkvn : 2 * I;
     float *xn = malloc(sizeof(float) * M * (d > I ? d : I));
     float *wide = malloc(sizeof(float) * M * width);
@@ -343,9 +373,10 @@ static int stack(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, fl
                 memcpy(row + h * hd, tmp, sizeof(float) * hd);
             }
             for (int64_t h = 0; h < KV; h++) {
-                if (kq) { /* the new rows beside the cache, in fp32: the Python side appends them */
-                    rotate(row + qn + h * hd, c, s, hd, kv[l].k_new + (h * M + m) * hd);
-                    memcpy(kv[l].v_new + (h * M + m) * hd, row + qn + kvn + h * hd, sizeof(float) * hd);
+                if (kq) { /* the new rows in fp32: behind the window, or a scratch the Python side appends */
+                    const int64_t at = (h * kq->new_rows + kq->new_at + m) * hd;
+                    rotate(row + qn + h * hd, c, s, hd, kv[l].k_new + at);
+                    memcpy(kv[l].v_new + at, row + qn + kvn + h * hd, sizeof(float) * hd);
                     continue;
                 }
                 const int64_t at = (h * cap + start + m) * hd * width_kv;
@@ -372,30 +403,13 @@ static int stack(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, fl
                 /* a decode step or a verify pass's piece (the cache cuts those at 8 rows): the queries in batches, each
                  * position read once a batch; a prompt's many rows: `fill_chunk` reads the chunk once for all */
                 if (kivi_in_registers(kq, hd) && group * M <= SQ_KIVI_QUERIES) {
-                    const kivi_src src = kivi_head(kv + l, kq, kvh, start, M, hd);
-                    const float *qs[6];
-                    float *res[6];
-                    int64_t lens[6];
-                    float p[6 * SQ_KV_CHUNK];
-                    int n = 0;
-                    for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
-                        for (int64_t m = 0; m < M; m++) {
-                            const int64_t len = start + m + 1 - t0;
-                            if (len <= 0) continue;
-                            qs[n] = wide + m * qkvn + h * hd;
-                            res[n] = parts + ((h * M + m) * chunks + c) * stride;
-                            lens[n++] = len < SQ_KV_CHUNK ? len : SQ_KV_CHUNK;
-                            if (n == kivi_batch(hd)) {
-                                attend_kivi(qs, lens, n, &src, t0, hd, dm->scaling, kt, p, res);
-                                n = 0;
-                            }
-                        }
-                    if (n) attend_kivi(qs, lens, n, &src, t0, hd, dm->scaling, kt, p, res);
+                    const kivi_src src = kivi_head(kv + l, kq, kvh, start, hd);
+                    attend_group(&src, wide, qkvn, kvh, group, M, start, t0, hd, dm->scaling, parts, chunks, c);
                     continue;
                 }
 #endif
                 float p[SQ_KV_CHUNK];
-                fill_chunk(kv + l, kq, kvh, t0, t1, start, M, hd, kt, vt);
+                fill_chunk(kv + l, kq, kvh, t0, t1, start, hd, kt, vt);
                 for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
                     for (int64_t m = 0; m < M; m++) {
                         const int64_t len = start + m + 1 - t0;

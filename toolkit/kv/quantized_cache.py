@@ -56,6 +56,10 @@ from toolkit.kv.rope import RotaryTable, rope_frequencies, rotary_tables
 
 
 class QuantizedKVLayer(CountedKVLayer):
+    # bumped whenever any layer's buffers are (re)made (first update, reorder_cache): the native stack keeps its
+    # arrays of their addresses while this is unchanged (toolkit/engine/native_kv.py)
+    buffer_epoch = 0
+
     def __init__(self, max_length: int, cfg: KVQuantConfig, workspace: "Workspace | None" = None,
                  rope: RotaryTable | None = None):
         super().__init__()
@@ -110,6 +114,7 @@ class QuantizedKVLayer(CountedKVLayer):
             self.v_float = torch.empty_like(self.k_float)
             self.k_synced = self.v_synced = 0  # quantized tokens already written dequantized into the float copy
         self.is_initialized = True
+        QuantizedKVLayer.buffer_epoch += 1
 
     def _put(self, codes: torch.Tensor, dest: list[torch.Tensor], start: int) -> None:
         planes = split_planes(codes) if self.cfg.hierarchical else (pack(codes, self.cfg.bits),)
@@ -255,6 +260,22 @@ class QuantizedKVLayer(CountedKVLayer):
             raise RuntimeError(f"KV cache overflow: {self.length + key_states.shape[-2]} tokens > max_length "
                                f"{self.max_length}")
         self._append(key_states, value_states)
+
+    def in_window(self, n: int) -> bool:
+        """Whether `n` new tokens stay behind the full-precision window without any token leaving it (no flush) and
+        with the sink tokens already in: then they can be written in place there (`grow_in_window`)."""
+        cfg = self.cfg
+        return (self.is_initialized and cfg.dequant != "cached" and self.length >= cfg.sink
+                and self.length + n <= self.max_length
+                and cfg.flushed_values(self.length + n) == self.v_quantized)
+
+    def grow_in_window(self, n: int) -> None:
+        """Count `n` tokens the native stack wrote in place behind the full-precision window (k_res / v_res rows
+        length - Tv ..; toolkit/engine/native_kv.py), where `in_window(n)` holds: the state a cache of this length
+        holds, as `append` would leave it."""
+        if not self.in_window(n):
+            raise RuntimeError(f"{n} tokens do not stay in the full-precision window of a cache of {self.length}")
+        self.length += n
 
     def _read_on(self, k_new, v_new, then: int):
         """`_read`'s values from the workspace left by this layer's read at length `then` (the previous piece's):
@@ -445,6 +466,7 @@ class QuantizedKVLayer(CountedKVLayer):
         endings)."""
         if not self.is_initialized:
             return
+        QuantizedKVLayer.buffer_epoch += 1
         idx = beam_idx.to(self.device)
         self.k_codes = [c.index_select(0, idx) for c in self.k_codes]
         self.v_codes = [c.index_select(0, idx) for c in self.v_codes]
