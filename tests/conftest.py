@@ -126,6 +126,19 @@ def tiny_qwen2(tiny_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_wide_llama(tiny_tokenizer):
+    """A 2-layer Llama with head dim 64 and grouped-query attention (SmolLM2's attention shape: the native stack's
+    register attention), fp32. Tests copy it before changing it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.1, tie_word_embeddings=True, pad_token_id=tiny_tokenizer.pad_token_id)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real default model in fp32, from the specquant cache (CI fetches it with `specquant models fetch`)."""
     from toolkit.models import is_cached, load_model

@@ -65,14 +65,7 @@ def native_model(request, tiny_llama_dir, tiny_qwen2, tiny_tokenizer):
     if arch == "qwen2":
         target = copy.deepcopy(tiny_qwen2)
     elif arch == "wide":  # head dim 64, SmolLM2's: the stack's attention in registers (attend_zmm)
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(3)
-        config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=256, intermediate_size=256,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=True,
-                             pad_token_id=tiny_tokenizer.pad_token_id)
-        target = LlamaForCausalLM(config).eval()
+        target = copy.deepcopy(request.getfixturevalue("tiny_wide_llama"))
     else:
         target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prepare_model(target, Precision(torch.float32, torch.float16), gemm="fbgemm")

@@ -20,23 +20,13 @@ pytestmark = pytest.mark.skipif(library() is None, reason="the native decoder is
 
 
 @pytest.fixture(scope="module", params=["wide-fp16", "wide-int4", "qwen2-int8"])
-def model(request, tiny_qwen2, tiny_tokenizer):
+def model(request, tiny_qwen2, tiny_wide_llama):
     """Head dim 64 with GQA (SmolLM2's attention shape) on fp16 and int4 products; the tiny Qwen2 (head dim 16,
     q,k,v biases) on int8 products."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from toolkit.spec.self_draft import build_self_draft
 
     arch, kind = request.param.split("-")
-    if arch == "wide":
-        torch.manual_seed(3)
-        config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=256, intermediate_size=256,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=True,
-                             pad_token_id=tiny_tokenizer.pad_token_id)
-        target = LlamaForCausalLM(config).eval()
-    else:
-        target = copy.deepcopy(tiny_qwen2)
+    target = copy.deepcopy(tiny_wide_llama if arch == "wide" else tiny_qwen2)
     prepare_model(target, Precision(torch.float32, torch.float16), gemm="fbgemm")
     install(target)
     out = target
