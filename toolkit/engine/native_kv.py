@@ -1,17 +1,20 @@
 """The native stack over a KIVI cache (`QuantizedKVCache`): attention reads the codes where they lie.
 
 decoder_layers.c's `sq_decoder_layers_kvq` gets one `_KVQLayer` per layer (the addresses of the cache's codes,
-scales, minima, staged keys, full-precision window and sinks) and the bounds the cache is read at (`_KVQ`). Each
-chunk of 256 positions is read into an fp32 tile once per key/value head, and every query head of its group attends
-over it (attention.c `fill_chunk`): what a position holds is the same for every row that reads it, so rows stay
-independent. The call's new keys and values go to a scratch beside the cache; `append` hands them to each layer
-afterwards, which quantizes what leaves the full-precision window (the same Python code as the torch path: the
-cache's state stays a function of its length).
+scales, minima, staged keys, full-precision window and sinks) and the bounds the cache is read at (`_KVQ`). Per
+chunk of 256 positions and key/value head, a decode step's queries of that head read each position once, in
+registers (attention.c `attend_kivi`); a prompt's many rows read the chunk dequantized into an fp32 tile
+(`fill_chunk`). What a position holds is the same for every row that reads it, so rows stay independent.
+
+The call's new keys and values go straight behind the full-precision window where no token leaves it
+(`QuantizedKVLayer.in_window`, then `grow_in_window`); on a step where tokens leave it, they go to a scratch, and
+`append` hands them to each layer, which quantizes what leaves (the same Python code as the torch path: the cache's
+state stays a function of its length).
 
 Which caches: plain codes at 2, 4 or 8 bits, `kv.dequant=full` (the default), fp32 activations, one sequence. Keys
 quantized before rotation (`kv.pre_rope`, on by default at 2 bits) and hierarchical INT8 take the torch path. A
 verify pass on a cache that must be read step by step (`read_splits`) runs its pieces one after another
-(docs/kv-cache.md "Attention over the codes").
+(docs/kv-cache.md "The quantized caches on the native stack").
 """
 
 from __future__ import annotations
