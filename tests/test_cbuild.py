@@ -26,7 +26,8 @@ def test_every_kernel_source_is_in_the_one_folder_and_ships():
 
 def test_the_decoder_stack_keys_on_everything_it_includes():
     included = {p.name for p in cbuild.quoted_includes(cbuild.source("decoder_layers.c"))}
-    assert included == {"tiles.h", "int4_gemm.c", "int8_gemm.c", "half_gemm.c", "bf16_gemm.c", "vnni_gemm.c"}
+    assert included == {"tiles.h", "int4_gemm.c", "int8_gemm.c", "half_gemm.c", "bf16_gemm.c", "vnni_gemm.c",
+                        "attention.c"}
     assert [p.name for p in cbuild.quoted_includes(cbuild.source("int4_gemm.c"))] == ["tiles.h"]
 
 
