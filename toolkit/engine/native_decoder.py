@@ -459,12 +459,11 @@ class NativeDecoder:
         layers = getattr(cache, "layers", None)
         if not layers or len(layers) < self.n_layers:
             return False
-        if native_kv.reads(layers[0]):  # a KIVI cache holding the prompt: attention reads its codes
-            return (attention_mask is None or bool(attention_mask.all())) and (
-                layers[0].length + rows <= layers[0].max_length)
-        if type(layers[0]) is not ContiguousKVLayer:
-            return False
         if attention_mask is not None and not bool(attention_mask.all()):
+            return False
+        if native_kv.reads(layers[0]):  # a KIVI cache holding the prompt: attention reads its codes
+            return layers[0].length + rows <= layers[0].max_length
+        if type(layers[0]) is not ContiguousKVLayer:
             return False
         first = layers[0]
         if not first.is_initialized:  # an empty cache: a w4a8 stack runs the prompt too (see __init__)

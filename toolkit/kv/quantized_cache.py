@@ -271,10 +271,9 @@ class QuantizedKVLayer(CountedKVLayer):
 
     def grow_in_window(self, n: int) -> None:
         """Count `n` tokens the native stack wrote in place behind the full-precision window (k_res / v_res rows
-        length - Tv ..; toolkit/engine/native_kv.py), where `in_window(n)` holds: the state a cache of this length
-        holds, as `append` would leave it."""
-        if not self.in_window(n):
-            raise RuntimeError(f"{n} tokens do not stay in the full-precision window of a cache of {self.length}")
+        length - Tv ..; toolkit/engine/native_kv.py), where the caller found `in_window(n)` before writing them (once
+        for all layers: they share the config and the length): the state a cache of this length holds, as `append`
+        would leave it."""
         self.length += n
 
     def _read_on(self, k_new, v_new, then: int):
