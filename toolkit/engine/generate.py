@@ -55,6 +55,7 @@ def _forward(model, input_ids, attention_mask, position_ids, cache, forward=None
     forward = forward or model
     # prefill only needs the last position's logits: skip a [T, vocab] matmul
     kwargs = {"logits_to_keep": 1} if takes_logits_to_keep(type(model)) else {}
+    cache.make_room(input_ids.shape[1])  # a windowed cache drops what it no longer keeps (toolkit/kv/window.py)
     start = cache.length
 
     def run():
@@ -96,9 +97,15 @@ def paged_forward(model, cache, seqs, new_tokens: list[list[int]], keep: int = 1
 @torch.inference_mode()
 def prefill(model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
     """Run the prompts [batch, T] through the model, filling `cache`; return the last position's logits. Its
-    products run in bf16 where the model was prepared for it (`engine.prefill_dtype`, engine/precision.py)."""
+    products run in bf16 where the model was prepared for it (`engine.prefill_dtype`, engine/precision.py). A cache
+    that takes fewer rows a call (a windowed one: `call_rows`) gets the prompts in pieces of that many."""
+    step = getattr(cache, "call_rows", None) or input_ids.shape[1]
     with bf16_prefill():
-        return _forward(model, input_ids, attention_mask, position_ids, cache)
+        for start in range(0, input_ids.shape[1], step):
+            end = start + step
+            mask = attention_mask[:, :end] if attention_mask is not None else None
+            logits = _forward(model, input_ids[:, start:end], mask, position_ids[:, start:end], cache)
+    return logits
 
 
 @torch.inference_mode()
@@ -110,6 +117,7 @@ def decode_step(model, tokens, attention_mask, position_ids, cache) -> torch.Ten
     compiled = peek(model).decode_forward
     lean = one_token_forward(model) if compiled is None and attention_mask is None and tokens.shape[0] == 1 else None
     if lean is not None:
+        cache.make_room(1)
         logits = lean.one_token(int(tokens[0, 0]), int(position_ids[0, -1]), cache)
         if logits is not None:
             return logits[:, -1]
@@ -181,9 +189,14 @@ class Detokenizer:
         return delta
 
 
-def validate_request(model, prompt_lengths: list[int], new_tokens: int) -> None:
+def validate_request(model, prompt_lengths: list[int], new_tokens: int, kv: KVSpec | None = None) -> None:
     if new_tokens <= 0:
         raise InputError(f"new_tokens must be > 0, got {new_tokens}", "ask for at least one new token")
+    if kv is not None and kv.window:
+        if len(set(prompt_lengths)) > 1:
+            raise InputError(f"kv.window={kv.window} with prompts of different lengths: a window holds one "
+                             "unpadded batch", "generate the prompts one at a time, or drop kv.window")
+        return  # a window holds any length: the sinks and the last tokens (toolkit/kv/window.py)
     limit = context_length(model)
     longest = max(prompt_lengths)
     if longest + new_tokens > limit:
@@ -199,7 +212,7 @@ def generate(model, tokenizer, prompts, new_tokens: int, sampling: SamplingParam
     `kv`: the KV cache (a KVSpec, `KVSpec.from_node` of the kv group; None for full precision; see toolkit.kv)."""
 
     encoded = encode_prompts(tokenizer, prompts)
-    validate_request(model, [len(ids) for ids in encoded], new_tokens)
+    validate_request(model, [len(ids) for ids in encoded], new_tokens, kv)
     stop_tokens = stop_token_ids(model, tokenizer) if stop_tokens is None else set(stop_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_tokens), 0)
     device = next(model.parameters()).device

@@ -258,8 +258,8 @@ class LeanForward:
         hidden = inner.embed_tokens(input_ids)
         batch, length = input_ids.shape
         rows = batch * length
-        if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:  # the tokens seen so far, with any a windowed cache dropped
+            past = getattr(cache, "position", cache.get_seq_length()) if cache is not None else 0
             position_ids = torch.arange(length, device=hidden.device)[None] + past
         cos, sin = rotary_cos_sin(inner.rotary_emb, hidden, position_ids)
         native = self.native_decoder()

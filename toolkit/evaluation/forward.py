@@ -3,7 +3,8 @@
 A KV cache changes a model's outputs only where tokens are read back from it: one forward pass over a window
 attends to freshly computed keys and values and never reads the cache. To measure a quantized cache, windows are
 therefore fed `chunk` tokens at a time through `make_kv_cache`, so every chunk after the first attends to keys and
-values that went through the cache (quantized, for a quantized kind), as they do in decoding."""
+values that went through the cache (quantized, for a quantized kind), as they do in decoding. A windowed cache
+(kv.window) always reads through the cache, at most its `call_rows` a call."""
 
 import torch
 
@@ -22,14 +23,16 @@ def window_logits(model, ids: torch.Tensor, kv: KVSpec | None = None, chunk: int
     ids = ids.to(device)
     if runs_int8_activations(model):
         return _native_window_logits(model, ids, kv)
-    if not chunk or chunk >= ids.shape[1]:
+    if (not chunk or chunk >= ids.shape[1]) and not kv_spec(kv).window:
         return model(input_ids=ids, use_cache=False).logits
     batch, length = ids.shape
     cache = make_kv_cache(model, length, kv)
+    chunk = min(chunk or length, cache.call_rows or length)  # a windowed cache takes at most its slack a call
     out = []
     for start in range(0, length, chunk):
         piece = ids[:, start:start + chunk]
         positions = torch.arange(start, start + piece.shape[1], device=device).expand(batch, -1)
+        cache.make_room(piece.shape[1])
         out.append(model(input_ids=piece, position_ids=positions, cache=cache, use_cache=True).logits)
     return torch.cat(out, dim=1)
 
@@ -43,11 +46,13 @@ def _native_window_logits(model, ids: torch.Tensor, kv) -> torch.Tensor:
                          "use kv=fp, or engine.native_dot=fp32 to measure a quantized cache")
     out = []
     for row in ids:
-        cache = make_kv_cache(model, row.shape[0])
+        cache = make_kv_cache(model, row.shape[0], kv)
+        chunk = min(NATIVE_CHUNK, cache.call_rows or NATIVE_CHUNK)
         pieces = []
-        for start in range(0, row.shape[0], NATIVE_CHUNK):
-            piece = row[None, start:start + NATIVE_CHUNK]
+        for start in range(0, row.shape[0], chunk):
+            piece = row[None, start:start + chunk]
             positions = torch.arange(start, start + piece.shape[1], device=ids.device)[None]
+            cache.make_room(piece.shape[1])
             pieces.append(model(input_ids=piece, position_ids=positions, cache=cache, use_cache=True).logits)
         out.append(torch.cat(pieces, dim=1))
     return torch.cat(out)

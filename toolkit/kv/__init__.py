@@ -5,7 +5,8 @@ speculative loop, eval and bench never ask which kind they hold.
 Every cache honours one interface: transformers' `Cache` (attention calls `update`), plus `crop(length)` (rollback),
 `length` (tokens held per sequence) and `nbytes` (bytes it holds for the filled part).
 
-Kinds: fp (toolkit.kv.contiguous.ContiguousKVCache); int8 / int4 / int2 (toolkit.kv.quantized_cache, KIVI-style,
+Kinds: fp (toolkit.kv.contiguous.ContiguousKVCache; with kv.window, the sinks and the last tokens only:
+toolkit.kv.window); int8 / int4 / int2 (toolkit.kv.quantized_cache, KIVI-style,
 options in toolkit.kv.config); `Int4View` reads a hierarchical INT8 cache as INT4 (toolkit.kv.hierarchical).
 """
 
@@ -14,6 +15,7 @@ from toolkit.kv.config import KINDS, KVQuantConfig, KVSpec, fp_storage
 from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.kv.hierarchical import Int4View
 from toolkit.kv.quantized_cache import QuantizedKVCache
+from toolkit.kv.window import Window
 
 __all__ = ["KINDS", "ContiguousKVCache", "Int4View", "KVQuantConfig", "KVSpec", "QuantizedKVCache", "kv_spec",
            "make_kv_cache", "quant_config"]
@@ -45,6 +47,8 @@ def make_kv_cache(model, max_length: int, kv: KVSpec | None = None):
     """A cache for `model` holding up to `max_length` tokens per sequence, as `kv` (a KVSpec; None = full
     precision) says."""
     kv = kv_spec(kv)
+    if kv.window and max_length > Window(kv.window, kv.sink).capacity:  # a cache that could fill: it slides
+        return ContiguousKVCache.windowed(model, Window(kv.window, kv.sink), *fp_storage(model, kv))
     if kv.quant is None:
         return ContiguousKVCache.for_model(model, max_length, *fp_storage(model, kv))
     return QuantizedKVCache.for_model(model, max_length, kv.quant)

@@ -107,10 +107,20 @@ class KVSpec:
     # kv=fp only: "auto" = fp16 where the native stack reads the cache (one sequence, fp32 activations, an AVX512
     # CPU: `fp_storage`), else the activations' dtype; fp32 / fp16 / bf16 = that, always
     dtype: str = "auto"
+    # kv.window=W (kv=fp): keep the first `sink` tokens and the last W to W + slack, for generation of any length
+    # in constant memory (toolkit/kv/window.py, docs/kv-cache.md "Windowed caches"); 0 = keep every token
+    window: int = 0
+    sink: int = 4
 
     def __post_init__(self):
         check_kind(self.kind, KINDS, "KV cache kind", "kv")
         check_kind(self.dtype, FP_DTYPES, "full-precision KV cache dtype", "kv.dtype")
+        if self.window < 0 or self.sink < 0:
+            raise InputError(f"kv.window={self.window} kv.sink={self.sink}: negative",
+                             "use kv.window=W > 0 to keep the last W tokens (0: keep all) and kv.sink >= 0")
+        if self.window and self.kind != "fp":
+            raise InputError(f"kv.window={self.window} with kv={self.kind}: windows are built for the full-precision "
+                             "cache only", f"use kv=fp kv.window={self.window}, or drop kv.window to use kv={self.kind}")
         if self.kind != "fp" and self.dtype != "auto":
             raise InputError(f"kv.dtype={self.dtype} is for kv=fp; kv={self.kind} stores codes",
                              "drop kv.dtype, or use kv=fp kv.dtype=" + self.dtype)
@@ -137,14 +147,15 @@ class KVSpec:
         kind = values.pop("kind", "fp")
         check_kind(kind, KINDS, "KV cache kind", "kv")
         dtype = str(values.pop("dtype", "auto"))
+        window = int(values.pop("window", 0) or 0)
         refuse_unknown(values, (f.name for f in dataclasses.fields(KVQuantConfig)), "kv",
                        f"see conf/kv/{kind if kind != 'fp' else 'int4'}.yaml for what a quantized cache takes")
-        if kind == "fp":
-            return cls(dtype=dtype)  # a quantized kind's keys left in the node are moot for a full-precision cache
+        if kind == "fp":  # a quantized kind's keys left in the node are moot for a full-precision cache
+            return cls(dtype=dtype, window=window, sink=int(values.get("sink", 4)))
         bits = int(values.get("bits", _BITS[kind]))
         if bits != _BITS[kind]:
             raise InputError(f"kv={kind} with kv.bits={bits}", f"drop kv.bits or use kv=int{bits}")
-        return cls(kind, KVQuantConfig.from_node({**values, "bits": bits}), dtype)
+        return cls(kind, KVQuantConfig.from_node({**values, "bits": bits}), dtype, window)
 
     @property
     def quantized(self) -> bool:
@@ -156,13 +167,17 @@ class KVSpec:
         return self.quant.residual if self.quant is not None else None
 
     def __str__(self) -> str:
-        return self.kind if self.dtype == "auto" else f"{self.kind} {self.dtype}"
+        name = self.kind if self.dtype == "auto" else f"{self.kind} {self.dtype}"
+        return f"{name} window {self.window}+{self.sink}" if self.window else name
 
     def with_rollback(self, depth: int, what: str) -> "KVSpec":
         """This cache's spec for a cache that `what` will crop by up to `depth` tokens at a time (a speculative loop
         appends k + 1 tokens per verify pass and may roll all of them back): kv.rollback raised to `depth` where
         shorter, so the shadows are sized for it. Refuses, before anything runs, a cache kept without shadows
         (kv.crop_shadow=false) whose full-precision window is shallower than that."""
+        if self.window:
+            raise InputError(f"kv.window={self.window}: {what} rolls back tokens a window may already have dropped",
+                             "drop kv.window, or use spec=none with it")
         cfg = self.quant
         if cfg is None:
             return self

@@ -8,11 +8,15 @@ Interface shared with the quantized and paged caches to come: `update` (append +
 `crop(length)`, `length`, `nbytes`. The buffers may hold a narrower dtype than the activations (`kv.dtype`,
 docs/kv-cache.md "The float cache in 2 bytes"): written rounded, read widened. Sliding-window layers (Gemma 3)
 keep their full history here; the sliding mask built by transformers limits what they attend to, so results are
-the same at the cost of memory.
+the same at the cost of memory. With `kv.window` the cache keeps only its first and last tokens instead
+(toolkit/kv/window.py): callers make room before each call (`make_room`) and feed at most `call_rows` rows a call.
 """
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from toolkit.kv.rope import rope_frequencies
+from toolkit.kv.window import Window, slide
 
 
 class CountedKVLayer(CacheLayerMixin):
@@ -41,11 +45,15 @@ class ContiguousKVLayer(CountedKVLayer):
     # while this is unchanged instead of rebuilding them on every call (~60 address reads a SmolLM2 step)
     buffer_epoch = 0
 
-    def __init__(self, max_length: int, store: torch.dtype | None = None, one_sequence: bool = False):
+    def __init__(self, max_length: int, store: torch.dtype | None = None, one_sequence: bool = False,
+                 window: Window | None = None, inv_freq: torch.Tensor | None = None):
         super().__init__()
         self.max_length = max_length
         self.length = 0
         self.store, self.store_one_sequence = store, one_sequence
+        # kv.window (toolkit/kv/window.py): tokens dropped so far, and the sinks' keys as first written
+        self.window, self.inv_freq = window, inv_freq
+        self.dropped, self.sink_keys = 0, None
 
     def storage_dtype(self, batch: int, states: torch.dtype) -> torch.dtype:
         """What the buffers hold: `store` where set (with `one_sequence`, kv.dtype=auto's rule, only for a batch of
@@ -86,8 +94,14 @@ class ContiguousKVLayer(CountedKVLayer):
         straight into the buffers)."""
         end = self.length + n
         if end > self.max_length:
-            raise RuntimeError(f"KV cache overflow: {end} tokens > max_length {self.max_length}")
+            hint = ": a windowed cache needs make_room first" if self.window else ""
+            raise RuntimeError(f"KV cache overflow: {end} tokens > max_length {self.max_length}{hint}")
         self.length = end
+
+    def make_room(self, rows: int) -> None:
+        """A windowed layer: drop its oldest tokens past the sinks if `rows` more would not fit (window.slide)."""
+        if self.window is not None:
+            slide(self, rows)
 
     # the filled prefix, as views made when read: the native decoder advances every layer on every call and never
     # reads them, so making the views there cost ~4 us a layer a call (~1 ms a speculative round on SmolLM2)
@@ -130,6 +144,8 @@ class ContiguousKVLayer(CountedKVLayer):
         if self.is_initialized:
             self.key_buffer = self.key_buffer.index_select(0, beam_idx.to(self.device))
             self.value_buffer = self.value_buffer.index_select(0, beam_idx.to(self.device))
+            if self.sink_keys is not None:
+                self.sink_keys = self.sink_keys.index_select(0, beam_idx.to(self.device))
             ContiguousKVLayer.buffer_epoch += 1
 
     @property
@@ -154,6 +170,20 @@ class LayeredKVCache(Cache):
     def length(self) -> int:
         return self.layers[0].length
 
+    @property
+    def position(self) -> int:
+        """The next token's position: tokens held plus those a window dropped."""
+        return self.layers[0].length + getattr(self.layers[0], "dropped", 0)
+
+    # the most rows one call may add (None: any); a windowed cache takes its slack (toolkit/kv/window.py)
+    call_rows: int | None = None
+
+    def make_room(self, rows: int) -> None:
+        """Before a call adding `rows` tokens: a windowed cache drops what it no longer keeps; others do nothing."""
+        for layer in self.layers:
+            if hasattr(layer, "make_room"):
+                layer.make_room(rows)
+
     def read_splits(self, tokens: int) -> list[int]:
         """Offsets 0 < j < tokens at which a pass of `tokens` new tokens must be cut (update and attend piece by
         piece) so that each row reads the cache as a one-token step at its position would. Empty for a cache whose
@@ -174,12 +204,25 @@ class ContiguousKVCache(LayeredKVCache):
     `one_sequence`: the buffers' dtype (ContiguousKVLayer.storage_dtype; None = the activations')."""
 
     def __init__(self, num_layers: int, max_length: int, store: torch.dtype | None = None,
-                 one_sequence: bool = False):
-        super().__init__(layers=[ContiguousKVLayer(max_length, store, one_sequence) for _ in range(num_layers)])
+                 one_sequence: bool = False, window: Window | None = None,
+                 inv_freqs: list[torch.Tensor] | None = None):
+        inv_freqs = inv_freqs or [None] * num_layers
+        super().__init__(layers=[ContiguousKVLayer(max_length, store, one_sequence, window, inv_freqs[i])
+                                 for i in range(num_layers)])
         self.max_length = max_length
+        self.call_rows = window.slack if window is not None else None
 
     @classmethod
     def for_model(cls, model, max_length: int, store: torch.dtype | None = None,
                   one_sequence: bool = False) -> "ContiguousKVCache":
         config = model.config.get_text_config(decoder=True)
         return cls(config.num_hidden_layers, max_length, store, one_sequence)
+
+    @classmethod
+    def windowed(cls, model, window: Window, store: torch.dtype | None = None,
+                 one_sequence: bool = False) -> "ContiguousKVCache":
+        """A cache of `window.capacity` slots that keeps the sinks and the last tokens (toolkit/kv/window.py); the
+        sinks' keys are turned with the model's RoPE frequencies."""
+        n = model.config.get_text_config(decoder=True).num_hidden_layers
+        freqs = rope_frequencies(model, n, "kv.sink") if window.sink else None
+        return cls(n, window.capacity, store, one_sequence, window, freqs)

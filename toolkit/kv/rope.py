@@ -57,9 +57,9 @@ class RotaryTable:
         return x
 
 
-def rope_frequencies(model, num_layers: int) -> list[torch.Tensor]:
+def rope_frequencies(model, num_layers: int, setting: str = "kv.pre_rope") -> list[torch.Tensor]:
     """The inv_freq each decoder layer's RoPE uses, read from the model's rotary embedding module (one set, or one per
-    layer type as Gemma 3 keeps them)."""
+    layer type as Gemma 3 keeps them); `setting`: the option that needs them, named in the error."""
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
     if isinstance(rotary, nn.Module):
         config = model.config.get_text_config(decoder=True)
@@ -68,8 +68,9 @@ def rope_frequencies(model, num_layers: int) -> list[torch.Tensor]:
         layer_types = getattr(config, "layer_types", None)
         if layer_types and all(isinstance(getattr(rotary, f"{t}_inv_freq", None), torch.Tensor) for t in layer_types):
             return [getattr(rotary, f"{t}_inv_freq") for t in layer_types[:num_layers]]
-    raise InputError(f"kv.pre_rope=true, but no rotary embedding frequencies were found in {type(model).__name__}",
-                     "set kv.pre_rope=false for this model")
+    fix = "kv.pre_rope=false" if setting == "kv.pre_rope" else f"{setting}=0"
+    raise InputError(f"{setting} needs the model's rotary embedding frequencies, and none were found in "
+                     f"{type(model).__name__}", f"set {fix} for this model")
 
 
 def rotary_tables(freqs: list[torch.Tensor], max_length: int, span: int | None = None) -> list[RotaryTable]:
