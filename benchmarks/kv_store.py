@@ -22,7 +22,9 @@ from toolkit.kv import KVSpec
 from toolkit.machine import machine_facts
 
 CACHES = {"fp32": KVSpec(dtype="fp32"), "fp16": KVSpec(dtype="fp16"), "bf16": KVSpec(dtype="bf16"),
-          "int8": KVSpec("int8"), "int4": KVSpec("int4"), "int2": KVSpec("int2")}
+          "int8": KVSpec("int8"), "int4": KVSpec("int4"), "int2": KVSpec("int2"),
+          # the fp16 cache keeping the first 4 and the last 2,048 to 2,304 tokens (kv.window; docs/kv-cache.md)
+          "fp16-w2048": KVSpec(dtype="fp16", window=2048)}
 
 
 def main() -> None:
@@ -47,10 +49,11 @@ def main() -> None:
             for name in args.caches if rep % 2 == 0 else reversed(args.caches):
                 out = generate(model, tokenizer, [ids], args.new_tokens, stop_tokens=set(), kv=CACHES[name])
                 itl[name] += out.timing.itl_s[4:]  # past the first steps' warm-up
-                kv_bytes[name] = out.kv_bytes / (context + args.new_tokens - 1)
+                held = context + args.new_tokens - 1  # what a window holds stays about the same from step to step
+                kv_bytes[name] = out.kv_bytes * (1 if CACHES[name].window else (context + args.new_tokens / 2) / held)
         for name in args.caches:
             step = statistics.median(itl[name])
-            read = weights + kv_bytes[name] * (context + args.new_tokens / 2)
+            read = weights + kv_bytes[name]
             rows.append({"context": context, "cache": name, "itl_ms": step * 1e3, "bytes_per_step": read,
                          "times_floor": step / (read / bandwidth), "vs_fp16": None})
         base = next((r for r in rows if r["context"] == context and r["cache"] == "fp16"), None)
@@ -59,10 +62,10 @@ def main() -> None:
                 r["vs_fp16"] = r["itl_ms"] / base["itl_ms"]
     print(f"{loaded.name}, native_dot={args.native_dot}, {facts['cpu']} ({' '.join(facts.get('cpu_flags', []))}), "
           f"{facts['memory_bandwidth_gbs']:.1f} GB/s measured, {args.repeats} interleaved runs")
-    print("context  cache  ITL p50 ms  MB a step  x floor  ITL / fp16's")
+    print("context  cache       ITL p50 ms  MB a step  x floor  ITL / fp16's")
     for r in rows:
         ratio = "" if r["vs_fp16"] is None else f"{r['vs_fp16']:.2f}"
-        print(f"{r['context']:7d}  {r['cache']:5s}  {r['itl_ms']:10.2f}  {r['bytes_per_step'] / 1e6:9.0f}  "
+        print(f"{r['context']:7d}  {r['cache']:10s}  {r['itl_ms']:10.2f}  {r['bytes_per_step'] / 1e6:9.0f}  "
               f"{r['times_floor']:7.2f}  {ratio}")
     if args.out:
         write_json_atomic(args.out, {"model": loaded.name, "native_dot": args.native_dot, "machine": facts,

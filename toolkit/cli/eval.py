@@ -37,7 +37,7 @@ def evaluate_model(cfg) -> dict:
     quant = peek(loaded.model).quant_label
     running = f"{quant} Linear weights, the rest {loaded.precision.name}" if quant else loaded.precision.name
     exact = bool(cfg.get("exact_prefill", False))
-    console.print(f"[bold]{loaded.name}[/] ({running}, KV {kind}"
+    console.print(f"[bold]{loaded.name}[/] ({running}, KV {kv}"
                   + (", int8 layers' many-row products exact" if exact else "") + f") vs reference {reference_name}")
     with exact_prefill() if exact else contextlib.nullcontext():
         out = run_tasks(loaded.model, loaded.tokenizer, texts, tasks, settings, reference, kv, data,

@@ -4,6 +4,7 @@ from rich.console import Console
 
 from toolkit.engine.setup import load_engine_model
 from toolkit.engine.spec import EngineSpec
+from toolkit.errors import InputError
 from toolkit.kv import KVSpec
 from toolkit.serve.server import ServeSettings, build_state, serve_forever
 from toolkit.serve.speculation import serve_spec
@@ -15,6 +16,9 @@ def run(cfg) -> None:
 
     serve_spec(cfg.spec, int(cfg.spec_max_batch))  # a spec the server cannot run is refused before the model loads
     engine, kv = EngineSpec.from_node(cfg.engine), KVSpec.from_node(cfg.kv)  # resolved once, before the model loads
+    if kv.window:
+        raise InputError(f"kv.window={kv.window}: the server's paged cache keeps every token of a conversation",
+                         "drop kv.window (max_seq_len bounds a conversation), or use `specquant generate` with it")
     loaded = load_engine_model(cfg.model.name, engine)
     settings = ServeSettings(host=cfg.host, port=int(cfg.port), api_key=cfg.api_key, model_id=cfg.served_name,
                              max_batch=cfg.max_batch, max_queue=cfg.max_queue, max_kv_tokens=cfg.max_kv_tokens,
