@@ -24,7 +24,8 @@ from toolkit.machine import machine_facts
 CACHES = {"fp32": KVSpec(dtype="fp32"), "fp16": KVSpec(dtype="fp16"), "bf16": KVSpec(dtype="bf16"),
           "int8": KVSpec("int8"), "int4": KVSpec("int4"), "int2": KVSpec("int2"),
           # the fp16 cache keeping the first 4 and the last 2,048 to 2,304 tokens (kv.window; docs/kv-cache.md)
-          "fp16-w2048": KVSpec(dtype="fp16", window=2048)}
+          "fp16-w2048": KVSpec(dtype="fp16", window=2048),
+          "int4-w2048": KVSpec.from_node({"kind": "int4", "window": 2048})}
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ from toolkit.kv.config import KINDS, KVQuantConfig, KVSpec, fp_storage
 from toolkit.kv.contiguous import ContiguousKVCache
 from toolkit.kv.hierarchical import Int4View
 from toolkit.kv.quantized_cache import QuantizedKVCache
-from toolkit.kv.window import Window
 
 __all__ = ["KINDS", "ContiguousKVCache", "Int4View", "KVQuantConfig", "KVSpec", "QuantizedKVCache", "kv_spec",
            "make_kv_cache", "quant_config"]
@@ -47,8 +46,11 @@ def make_kv_cache(model, max_length: int, kv: KVSpec | None = None):
     """A cache for `model` holding up to `max_length` tokens per sequence, as `kv` (a KVSpec; None = full
     precision) says."""
     kv = kv_spec(kv)
-    if kv.window and max_length > Window(kv.window, kv.sink).capacity:  # a cache that could fill: it slides
-        return ContiguousKVCache.windowed(model, Window(kv.window, kv.sink), *fp_storage(model, kv))
+    window = kv.window_shape()
+    if window is not None and max_length > window.capacity:  # a cache that could fill: it slides
+        if kv.quant is not None:
+            return QuantizedKVCache.windowed(model, window, kv.quant)
+        return ContiguousKVCache.windowed(model, window, *fp_storage(model, kv))
     if kv.quant is None:
         return ContiguousKVCache.for_model(model, max_length, *fp_storage(model, kv))
     return QuantizedKVCache.for_model(model, max_length, kv.quant)

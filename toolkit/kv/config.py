@@ -9,6 +9,7 @@ import torch
 from toolkit import cpu
 from toolkit.errors import InputError
 from toolkit.kv.quantize import ALLOWED_BITS
+from toolkit.kv.window import Window
 from toolkit.model_state import peek
 from toolkit.settings import check_kind, node_values, refuse_unknown
 
@@ -107,8 +108,9 @@ class KVSpec:
     # kv=fp only: "auto" = fp16 where the native stack reads the cache (one sequence, fp32 activations, an AVX512
     # CPU: `fp_storage`), else the activations' dtype; fp32 / fp16 / bf16 = that, always
     dtype: str = "auto"
-    # kv.window=W (kv=fp): keep the first `sink` tokens and the last W to W + slack, for generation of any length
-    # in constant memory (toolkit/kv/window.py, docs/kv-cache.md "Windowed caches"); 0 = keep every token
+    # kv.window=W: keep the first tokens and the last W to W + slack, for generation of any length in constant
+    # memory (toolkit/kv/window.py, docs/kv-cache.md "Windowed caches"); 0 = keep every token. `sink`: kv=fp's
+    # first tokens kept (a quantized kind's are quant.sink, rounded up to whole key groups)
     window: int = 0
     sink: int = 4
 
@@ -118,9 +120,17 @@ class KVSpec:
         if self.window < 0 or self.sink < 0:
             raise InputError(f"kv.window={self.window} kv.sink={self.sink}: negative",
                              "use kv.window=W > 0 to keep the last W tokens (0: keep all) and kv.sink >= 0")
-        if self.window and self.kind != "fp":
-            raise InputError(f"kv.window={self.window} with kv={self.kind}: windows are built for the full-precision "
-                             "cache only", f"use kv=fp kv.window={self.window}, or drop kv.window to use kv={self.kind}")
+        cfg = self.quant
+        if self.window and cfg is not None:  # what a quantized cache's drops need (toolkit/kv/window.py)
+            if cfg.pre_rope:
+                raise InputError(f"kv.window with kv.pre_rope=true (kv={self.kind}'s default): pre-RoPE keys are "
+                                 "turned back by their slot, which a window moves", "add kv.pre_rope=false")
+            if cfg.dequant == "cached":
+                raise InputError("kv.window with kv.dequant=cached (a measurement mode)", "use kv.dequant=full")
+            if self.window < cfg.residual + cfg.group_size:
+                raise InputError(f"kv.window={self.window} is shorter than kv.residual + kv.group_size = "
+                                 f"{cfg.residual + cfg.group_size}: a window drops only whole key groups",
+                                 f"use kv.window >= {cfg.residual + cfg.group_size}")
         if self.kind != "fp" and self.dtype != "auto":
             raise InputError(f"kv.dtype={self.dtype} is for kv=fp; kv={self.kind} stores codes",
                              "drop kv.dtype, or use kv=fp kv.dtype=" + self.dtype)
@@ -152,6 +162,7 @@ class KVSpec:
                        f"see conf/kv/{kind if kind != 'fp' else 'int4'}.yaml for what a quantized cache takes")
         if kind == "fp":  # a quantized kind's keys left in the node are moot for a full-precision cache
             return cls(dtype=dtype, window=window, sink=int(values.get("sink", 4)))
+        # a quantized kind's kv.sink is its quant.sink: the tokens kept in full precision (and a window's head)
         bits = int(values.get("bits", _BITS[kind]))
         if bits != _BITS[kind]:
             raise InputError(f"kv={kind} with kv.bits={bits}", f"drop kv.bits or use kv=int{bits}")
@@ -160,6 +171,16 @@ class KVSpec:
     @property
     def quantized(self) -> bool:
         return self.kind != "fp"
+
+    def window_shape(self) -> Window | None:
+        """The window kv.window asks for, or None: a quantized cache's head is its sink tokens rounded up to whole
+        key groups, and it drops two groups at a time (toolkit/kv/window.py)."""
+        if not self.window:
+            return None
+        if self.quant is None:
+            return Window(self.window, self.sink)
+        G = self.quant.group_size
+        return Window(self.window, -(-self.quant.sink // G) * G, 2 * G)
 
     @property
     def residual(self) -> int | None:

@@ -37,6 +37,8 @@ float copy updated only when tokens flush: same values, but it holds a float cop
 the purpose; it exists to measure against.
 """
 
+import dataclasses
+
 import torch
 
 from toolkit.errors import InputError
@@ -53,6 +55,7 @@ from toolkit.kv.quantize import (
     unpack_into,
 )
 from toolkit.kv.rope import RotaryTable, rope_frequencies, rotary_tables
+from toolkit.kv.window import Window, slide_quantized
 
 
 class QuantizedKVLayer(CountedKVLayer):
@@ -61,8 +64,11 @@ class QuantizedKVLayer(CountedKVLayer):
     buffer_epoch = 0
 
     def __init__(self, max_length: int, cfg: KVQuantConfig, workspace: "Workspace | None" = None,
-                 rope: RotaryTable | None = None):
+                 rope: RotaryTable | None = None, window: Window | None = None, inv_freq: torch.Tensor | None = None):
         super().__init__()
+        # kv.window (toolkit/kv/window.py): tokens dropped so far, and the head's keys as first written
+        self.window, self.inv_freq = window, inv_freq
+        self.dropped, self.sink_keys = 0, None
         if cfg.pre_rope and rope is None:
             raise InputError("kv.pre_rope=true needs the model's rotary frequencies",
                              "build the cache with QuantizedKVCache.for_model, or set kv.pre_rope=false")
@@ -261,6 +267,12 @@ class QuantizedKVLayer(CountedKVLayer):
                                f"{self.max_length}")
         self._append(key_states, value_states)
 
+    def make_room(self, rows: int) -> None:
+        """A windowed layer: drop whole key groups past its head if `rows` more would not fit
+        (window.slide_quantized)."""
+        if self.window is not None:
+            slide_quantized(self, rows)
+
     def in_window(self, n: int) -> bool:
         """Whether `n` new tokens stay behind the full-precision window without any token leaving it (no flush) and
         with the sink tokens already in: then they can be written in place there (`grow_in_window`)."""
@@ -457,7 +469,7 @@ class QuantizedKVLayer(CountedKVLayer):
         self.crop(0)
 
     _BATCHED = ("k_scale", "k_min", "v_scale", "v_min", "k8_codes", "k8_scale", "k8_min", "k_res", "v_res",
-                "k_shadow", "v_shadow", "k_sink", "v_sink", "k_float", "v_float")
+                "k_shadow", "v_shadow", "k_sink", "v_sink", "k_float", "v_float", "sink_keys")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Rows of the batch picked (and repeated) by `beam_idx`, in every per-row buffer: codes, scales, minima,
@@ -470,7 +482,7 @@ class QuantizedKVLayer(CountedKVLayer):
         self.k_codes = [c.index_select(0, idx) for c in self.k_codes]
         self.v_codes = [c.index_select(0, idx) for c in self.v_codes]
         for name in self._BATCHED:
-            if hasattr(self, name):
+            if getattr(self, name, None) is not None:
                 setattr(self, name, getattr(self, name).index_select(0, idx))
 
     # ---- bytes --------------------------------------------------------------------------------------------
@@ -525,12 +537,16 @@ class QuantizedKVCache(LayeredKVCache):
     """A quantized KV cache for `num_layers` layers and up to `max_length` tokens per sequence (see the module
     docstring); the engine's interface: transformers' `Cache` plus `crop`, `length`, `nbytes`."""
 
-    def __init__(self, num_layers: int, max_length: int, cfg: KVQuantConfig, rope: list[RotaryTable] | None = None):
+    def __init__(self, num_layers: int, max_length: int, cfg: KVQuantConfig, rope: list[RotaryTable] | None = None,
+                 window: Window | None = None, inv_freqs: list[torch.Tensor] | None = None):
         workspace = Workspace()
         rope = rope or [None] * num_layers
-        super().__init__(layers=[QuantizedKVLayer(max_length, cfg, workspace, rope[i]) for i in range(num_layers)])
+        inv_freqs = inv_freqs or [None] * num_layers
+        super().__init__(layers=[QuantizedKVLayer(max_length, cfg, workspace, rope[i], window, inv_freqs[i])
+                                 for i in range(num_layers)])
         self.max_length = max_length
         self.cfg = cfg
+        self.call_rows = window.slack if window is not None else None
 
     def read_splits(self, tokens: int) -> list[int]:
         """With `stepwise_reads` (a speculative verify pass): where the reading bounds move inside a pass of `tokens`.
@@ -550,3 +566,12 @@ class QuantizedKVCache(LayeredKVCache):
         n = model.config.get_text_config(decoder=True).num_hidden_layers
         rope = rotary_tables(rope_frequencies(model, n), max_length, cfg.group_size) if cfg.pre_rope else None
         return cls(n, max_length, cfg, rope)
+
+    @classmethod
+    def windowed(cls, model, window: Window, cfg: KVQuantConfig) -> "QuantizedKVCache":
+        """A cache keeping a head of `window.sink` tokens (whole key groups, held in full precision as its `sink`
+        originals, so it can be turned) and the last `window.size` (toolkit/kv/window.py, KVSpec.window_shape)."""
+        cfg = dataclasses.replace(cfg, sink=window.sink)
+        n = model.config.get_text_config(decoder=True).num_hidden_layers
+        freqs = rope_frequencies(model, n, "kv.sink") if window.sink else None
+        return cls(n, window.capacity, cfg, None, window, freqs)
