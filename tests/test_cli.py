@@ -77,6 +77,8 @@ def test_bench_writes_the_documented_json(tiny_llama_dir, tmp_path):
     (["generate", "new_tokens=0"], "new_tokens"),
     (["generate", "prompt="], "empty"),
     (["generate", "hello"], "unexpected argument"),
+    (["generate", "kv=int4", "kv.window=64"], "whole key groups"),
+    (["serve", "kv.window=2048"], "paged cache"),
 ])
 def test_bad_input_is_one_clear_error(args, message, tiny_llama_dir):
     if args[0] in ("generate", "bench") and not any(a.startswith("model=") for a in args):

@@ -20,7 +20,7 @@ SPEC_TESTS = ("tests/test_spec.py", "tests/test_spec_verify.py", "tests/test_spe
 ISA_TESTS = ("tests/test_native_gemm.py", "tests/test_half_native.py", "tests/test_bf16_native.py", "tests/test_vnni.py",
              "tests/test_kv_kernel.py", "tests/test_qlinear.py", "tests/test_native_decoder.py",
              "tests/test_lean_forward.py", *SPEC_TESTS, "tests/test_native_dot_int8.py", "tests/test_kv_fp_store.py",
-             "tests/test_native_kv_quantized.py")
+             "tests/test_native_kv_quantized.py", "tests/test_kv_window.py")
 # at the portable level no SIMD kernel loads: the fallbacks' own tests and speculative identity on them (the verify
 # rule and the drafts run the same torch code there as at the level above)
 PORTABLE_TESTS = ("tests/test_native_gemm.py", "tests/test_kv_kernel.py", "tests/test_qlinear.py", "tests/test_spec.py")

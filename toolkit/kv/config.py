@@ -189,7 +189,7 @@ class KVSpec:
 
     def __str__(self) -> str:
         name = self.kind if self.dtype == "auto" else f"{self.kind} {self.dtype}"
-        return f"{name} window {self.window}+{self.sink}" if self.window else name
+        return f"{name} window {self.window}+{self.window_shape().sink}" if self.window else name
 
     def with_rollback(self, depth: int, what: str) -> "KVSpec":
         """This cache's spec for a cache that `what` will crop by up to `depth` tokens at a time (a speculative loop
