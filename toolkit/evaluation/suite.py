@@ -54,9 +54,9 @@ def run_tasks(model, tokenizer, texts: list[str], tasks: list[str], settings: Se
     reference=None: the model is its own reference. progress: tqdm bars on stderr."""
     kv = kv_spec(kv)
     kind = str(kv)
-    # a quantized cache, or a float one stored narrower on request (kv.dtype=fp16|bf16), changes the outputs only
-    # where tokens are read back: feed the windows through it
-    through_cache = kv.quantized or kv.dtype in ("fp16", "bf16")
+    # a quantized cache, a float one stored narrower on request (kv.dtype=fp16|bf16) or a windowed one changes the
+    # outputs only where tokens are read back: feed the windows through it
+    through_cache = kv.quantized or kv.dtype in ("fp16", "bf16") or bool(kv.window)
     if runs_int8_activations(model) and set(tasks) - {"ppl"}:
         # int8 activations exist on the native stack only (one sequence at a time): the item and generation tasks
         # batch their rows, which would score the exact path instead

@@ -8,6 +8,7 @@ import os
 import torch
 
 from toolkit.data import CALIBRATION, load_text
+from toolkit.data.chat import CHAT, DOMAINS, MIX, domain_texts
 
 __all__ = ["calibration_batches"]
 
@@ -24,8 +25,9 @@ def calibration_batches(tokenizer, dataset="pydoc", n_samples: int = 128, seq_le
                         add_bos: bool | None = None) -> torch.LongTensor:
     """``[n_samples, seq_len]`` token windows from the calibration split of ``dataset``, deterministically.
 
-    ``dataset`` is a dataset name or path for `toolkit.data.load_text` (its ``"calibration"`` split), several
-    joined by ``+`` (``"pydoc+austen"``: a mix, window i taken from source ``i % n`` so every prefix of the
+    ``dataset`` is a dataset name or path for `toolkit.data.load_text` (its ``"calibration"`` split), ``chat``
+    (conversations rendered with the tokenizer's chat template, toolkit/data/chat.py), ``mix`` (the default: prose,
+    docs, code and chat, `DOMAINS`), several joined by ``+`` (``"pydoc+austen"``: a mix, window i taken from source ``i % n`` so every prefix of the
     windows, e.g. AWQ's search samples, holds each source about equally; each source's windows are drawn as if it
     were calibrated alone), or already-loaded texts (a ``datasets.Dataset`` with a ``text`` column, or a list of
     strings). The documents are tokenized without special tokens and concatenated (separated by EOS when the
@@ -35,6 +37,8 @@ def calibration_batches(tokenizer, dataset="pydoc", n_samples: int = 128, seq_le
     """
     if n_samples < 1 or seq_len < 2:
         raise ValueError(f"need n_samples >= 1 and seq_len >= 2, got {n_samples}, {seq_len}")
+    if dataset == MIX:
+        dataset = "+".join(DOMAINS.values())
     if isinstance(dataset, str) and "+" in dataset:
         names = [name.strip() for name in dataset.split("+")]
         if any(not name for name in names) or len(set(names)) != len(names):
@@ -44,8 +48,9 @@ def calibration_batches(tokenizer, dataset="pydoc", n_samples: int = 128, seq_le
         parts = [calibration_batches(tokenizer, name, len(range(s, n_samples, n)), seq_len, seed, add_bos)
                  if s < n_samples else None for s, name in enumerate(names)]
         return torch.stack([parts[i % n][i // n] for i in range(n_samples)])
-    if isinstance(dataset, (str, os.PathLike)):
-
+    if dataset == CHAT:
+        texts = domain_texts(CHAT, CALIBRATION, tokenizer)
+    elif isinstance(dataset, (str, os.PathLike)):
         texts = load_text(dataset, split=CALIBRATION)["text"]
     elif hasattr(dataset, "column_names"):
         texts = dataset["text"]
