@@ -23,12 +23,12 @@ ANSWER_CHARS = 1500  # an answer's length: a few hundred tokens, like a chat rep
 
 
 def conversations(split: str) -> list[list[dict]]:
-    """Conversations [{"role", "content"}, ...] from the documents of `split` of each source, interleaved."""
-    docs = [_docs_turns(split), _prose_turns(split), _code_turns(split)]
-    out = []
-    for i in range(max(map(len, docs))):
-        out.extend(kind[i] for kind in docs if i < len(kind))
-    return out
+    """Conversations [{"role", "content"}, ...] from the documents of `split` of each source, interleaved, as many
+    of each kind (the fewest any source gives, picked evenly from the others: stdlib's 500 files would otherwise
+    make chat mostly code)."""
+    kinds = [_docs_turns(split), _prose_turns(split), _code_turns(split)]
+    n = min(map(len, kinds))
+    return [kind[i * len(kind) // n] for i in range(n) for kind in kinds]
 
 
 def _turns(question: str, answer: str) -> list[dict]:
