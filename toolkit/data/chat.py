@@ -1,4 +1,4 @@
-"""The chat domain, and the domains quality is measured on (docs/datasets.md "Domains").
+"""The chat domain, and the domains quality is measured on (docs/evaluation.md "Domains").
 
 A chat model is mostly used through its chat template: role markers and special tokens that no plain text
 contains. `chat` is conversations made from the offline sources -- a question about a pydoc topic answered with
