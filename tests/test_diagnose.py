@@ -13,7 +13,7 @@ from toolkit.bench.latency import kv_bytes_per_token, weight_bytes_per_token
 from toolkit.diagnose import whatifs
 from toolkit.diagnose.kv_pressure import kv_pressure
 from toolkit.diagnose.recommend import recommend
-from toolkit.diagnose.roofline import path_bound
+from toolkit.diagnose.roofline import path_bound, roofline
 from toolkit.diagnose.split import dominant, time_split
 from toolkit.diagnose.workload import input_stats
 from toolkit.engine.generate import generate
@@ -131,6 +131,15 @@ def test_roofline_bound_follows_the_ridge_point():
     memory = path_bound(flops=1e6, bytes_moved=1e8, seconds_per_token=0.02, peak_flops=1e11, bandwidth=1e10)
     assert compute["bound"] == "compute" and compute["times_roofline"] == pytest.approx(1e11 / (1e9 / 0.02))
     assert memory["bound"] == "memory" and memory["times_roofline"] == pytest.approx(0.02 / (1e8 / 1e10))
+
+
+def test_a_windowed_cache_reads_what_it_holds(tiny_llama_dir):
+    model = load_engine_model(str(tiny_llama_dir), ENGINE).model
+    split = {"ttft_ms": 100.0, "itl_ms": 10.0}
+    full = roofline(model, 1000.0, 8000, 64, split, 1e11, 1e10)["decode"]
+    windowed = roofline(model, 1000.0, 8000, 64, split, 1e11, 1e10, held=2308)["decode"]
+    assert full["kv_bytes"] == 1000.0 * 8032 and windowed["kv_bytes"] == 1000.0 * 2308
+    assert windowed["context_tokens"] == 2308 < full["context_tokens"]
 
 
 def test_a_quantized_kv_cache_fits_more_long_sequences(tiny_llama_dir):

@@ -88,7 +88,9 @@ def diagnose(cfg, loaded, engine: EngineSpec, kv: KVSpec, progress=None) -> dict
     mean_prompt = workload["tokens_per_prompt"]
     context = max(len(ids) for ids in encoded) + new_tokens
     kv_per_token = cache_bytes_per_token(model, kv, context, dtype)
-    bound = roofline(model, kv_per_token, mean_prompt, new_tokens, split, peak_flops, bandwidth)
+    window = kv.window_shape()  # a windowed cache reads at most what it holds
+    bound = roofline(model, kv_per_token, mean_prompt, new_tokens, split, peak_flops, bandwidth,
+                     window.capacity if window is not None else None)
     weights = weight_bytes_per_token(model)
     budget = int(cfg.kv_budget_gib * 2**30) if cfg.get("kv_budget_gib") else default_budget(weights)
     pressure = kv_pressure(model, context, dtype, budget)

@@ -74,12 +74,15 @@ def path_bound(flops: float, bytes_moved: float, seconds_per_token: float, peak_
 
 
 def roofline(model, kv_bytes_per_token: float, prompt_tokens: float, new_tokens: int, split: dict,
-             peak_flops: float, bandwidth: float) -> dict:
+             peak_flops: float, bandwidth: float, held: int | None = None) -> dict:
     """Both paths of the workload measured in `split` (TTFT median, ITL median). `kv_bytes_per_token`: the cache's
-    bytes per cached token (all layers, keys and values) at the kind the workload ran with."""
+    bytes per cached token (all layers, keys and values) at the kind the workload ran with; `held`: the most tokens
+    the cache holds (a windowed cache's capacity, kv.window), None for all of them."""
     weights = weight_bytes_per_token(model)
     t = max(1, round(prompt_tokens))
     context = prompt_tokens + new_tokens / 2  # mean cache length a decode step reads
+    if held is not None:
+        context = min(context, held)
     # prefill reads each weight once per prompt and writes every token's keys and values
     prefill_bytes = weights / t + kv_bytes_per_token
     decode_kv = kv_bytes_per_token * context
