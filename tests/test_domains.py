@@ -79,3 +79,22 @@ def test_eval_scores_every_domain_and_heads_with_the_worst(austen, tiny_llama_di
     assert domains["chat"]["data"] == "chat/evaluation" and "worst domain" in run.stdout
     refused = specquant("eval", f"model={tiny_llama_dir}", "task=all", "data=domains", env=env)
     assert refused.returncode == 2 and "task=ppl" in refused.stderr
+
+
+def test_the_domains_fetch_austen_on_first_use(tmp_path, monkeypatch, tiny_tokenizer):
+    """As a model is fetched on first use: the mix and the domains fetch the Austen text once (here a stand-in for
+    the Debian download), then read the cache."""
+    import toolkit.data.chat as chat
+
+    monkeypatch.setenv("SPECQUANT_HOME", str(tmp_path))
+    calls = []
+
+    def fake_fetch(name):
+        calls.append(name)
+        cache.write_cache(name, [Document("Emma, chapter 1", EMMA * 40, "Emma"),
+                                 Document("Persuasion, chapter 1", PERSUASION * 40, "Persuasion")], "test")
+
+    monkeypatch.setattr(chat, "fetch", fake_fetch)
+    calibration_batches(tiny_tokenizer, "mix", n_samples=4, seq_len=64)
+    domain_texts("chat", EVALUATION, tiny_tokenizer)
+    assert calls == ["austen"]

@@ -13,13 +13,21 @@ technical docs, code, chat.
 from __future__ import annotations
 
 from toolkit.data.documents import paragraphs
-from toolkit.data.sources import load_text
+from toolkit.data.sources import fetch, is_cached, load_text
 
 CHAT = "chat"
 # domain -> its source; `mix` calibrates on each in turn, window i from domain i % 4 (calibration_batches)
 DOMAINS = {"prose": "austen", "docs": "pydoc", "code": "stdlib-code", "chat": CHAT}
 MIX = "mix"
 ANSWER_CHARS = 1500  # an answer's length: a few hundred tokens, like a chat reply
+
+
+def fetch_domains() -> None:
+    """Fetch, once, the sources the domains need that do not ship with Python (Austen, from the Debian registry),
+    as a model is fetched on first use; offline, fetch's error says what to do."""
+    for name in ("austen",):
+        if not is_cached(name):
+            fetch(name)
 
 
 def conversations(split: str) -> list[list[dict]]:
@@ -69,6 +77,8 @@ def render(tokenizer, convs: list[list[dict]]) -> list[str]:
 def domain_texts(name: str, split: str, tokenizer) -> list[str]:
     """The texts of dataset or domain `name` (a DOMAINS key, `chat`, or anything load_text takes) for `split`."""
     name = DOMAINS.get(name, name)
+    if name in (CHAT, "austen"):
+        fetch_domains()
     if name == CHAT:
         return render(tokenizer, conversations(split))
     return list(load_text(name, split)["text"])

@@ -8,7 +8,7 @@ import os
 import torch
 
 from toolkit.data import CALIBRATION, load_text
-from toolkit.data.chat import CHAT, DOMAINS, MIX, domain_texts
+from toolkit.data.chat import CHAT, DOMAINS, MIX, domain_texts, fetch_domains
 
 __all__ = ["calibration_batches"]
 
@@ -38,6 +38,7 @@ def calibration_batches(tokenizer, dataset="pydoc", n_samples: int = 128, seq_le
     if n_samples < 1 or seq_len < 2:
         raise ValueError(f"need n_samples >= 1 and seq_len >= 2, got {n_samples}, {seq_len}")
     if dataset == MIX:
+        fetch_domains()
         dataset = "+".join(DOMAINS.values())
     if isinstance(dataset, str) and "+" in dataset:
         names = [name.strip() for name in dataset.split("+")]
