@@ -231,7 +231,7 @@ def test_recipe_name_resolves_and_output_key_and_summary(tiny_llama_dir, tmp_pat
     # a recipe NAME (recipes/<model>/<name>.yaml); model= and the group size are overridden for the tiny model
     out = tmp_path / "awq"
     run = specquant("quantize", "recipe=smollm2-135m/awq-w4g64", f"model={tiny_llama_dir}", "quantize.group_size=32",
-                    "quantize.n_samples=4", "quantize.seq_len=32", "quantize.awq_grid=4",
+                    "quantize.dataset=pydoc", "quantize.n_samples=4", "quantize.seq_len=32", "quantize.awq_grid=4",
                     "quantize.experimental.awq_clip_grid=4",
                     f"output={out}")
     assert run.returncode == 0, run.stderr
