@@ -51,11 +51,19 @@ def takes_logits_to_keep(model_class) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
+def make_room(cache, rows: int) -> None:
+    """Before a call adding `rows` tokens: a windowed cache drops what it no longer keeps (toolkit/kv/window.py);
+    caches without `make_room` (a hierarchical cache's INT4 view) keep everything."""
+    room = getattr(cache, "make_room", None)
+    if room is not None:
+        room(rows)
+
+
 def _forward(model, input_ids, attention_mask, position_ids, cache, forward=None) -> torch.Tensor:
     forward = forward or model
     # prefill only needs the last position's logits: skip a [T, vocab] matmul
     kwargs = {"logits_to_keep": 1} if takes_logits_to_keep(type(model)) else {}
-    cache.make_room(input_ids.shape[1])  # a windowed cache drops what it no longer keeps (toolkit/kv/window.py)
+    make_room(cache, input_ids.shape[1])
     start = cache.length
 
     def run():
@@ -117,7 +125,7 @@ def decode_step(model, tokens, attention_mask, position_ids, cache) -> torch.Ten
     compiled = peek(model).decode_forward
     lean = one_token_forward(model) if compiled is None and attention_mask is None and tokens.shape[0] == 1 else None
     if lean is not None:
-        cache.make_room(1)
+        make_room(cache, 1)
         logits = lean.one_token(int(tokens[0, 0]), int(position_ids[0, -1]), cache)
         if logits is not None:
             return logits[:, -1]
