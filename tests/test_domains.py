@@ -12,6 +12,7 @@ from tests.test_cli import specquant
 from toolkit.data import CALIBRATION, EVALUATION, cache
 from toolkit.data.chat import DOMAINS, conversations, domain_texts, render
 from toolkit.data.documents import Document
+from toolkit.errors import InputError
 from toolkit.quant.calibration_data import calibration_batches
 
 EMMA = "Emma Woodhouse, handsome, clever, and rich.\n\nShe was the youngest of the two daughters.\n\nHer mother died."
@@ -49,14 +50,30 @@ def test_conversations_are_rendered_with_the_models_template(tiny_tokenizer):
     assert render(tok, conv) == ["<|user|>Hi?\n<|assistant|>Hello.\n"]
 
 
-def test_mix_draws_prose_docs_code_and_chat_in_turn(austen, tiny_tokenizer):
+def test_mix_draws_prose_docs_code_and_chat_in_turn(tmp_path, monkeypatch, tiny_tokenizer):
+    """Window i of the mix is the next window of domain i % 4, as that source alone would give it; the Austen text
+    is fetched on first use, once (here a stand-in for the Debian download), as a model is."""
+    import toolkit.data.chat as chat
+
+    monkeypatch.setenv("SPECQUANT_HOME", str(tmp_path))
+    calls = []
+
+    def fake_fetch(name):
+        calls.append(name)
+        cache.write_cache(name, [Document("Emma, chapter 1", EMMA * 40, "Emma"),
+                                 Document("Persuasion, chapter 1", PERSUASION * 40, "Persuasion")], "test")
+
+    monkeypatch.setattr(chat, "fetch", fake_fetch)
     windows = calibration_batches(tiny_tokenizer, "mix", n_samples=8, seq_len=1024, add_bos=False)
-    assert list(DOMAINS) == ["prose", "docs", "code", "chat"]
+    domain_texts("chat", EVALUATION, tiny_tokenizer)
+    assert calls == ["austen"] and list(DOMAINS) == ["prose", "docs", "code", "chat"]
     texts = [tiny_tokenizer.decode(w) for w in windows]
     for i, source in enumerate(DOMAINS.values()):
-        alone = calibration_batches(tiny_tokenizer, source, n_samples=2, seq_len=1024, add_bos=False)
-        assert windows[i].equal(alone[0]) and windows[i + 4].equal(alone[1])
+        if source != "stdlib-code":  # (the largest split to tokenize again; its turn is the same code)
+            alone = calibration_batches(tiny_tokenizer, source, n_samples=2, seq_len=1024, add_bos=False)
+            assert windows[i].equal(alone[0]) and windows[i + 4].equal(alone[1])
     assert "Emma" in texts[0] or "Woodhouse" in texts[0]
+    assert "def " in texts[2] + texts[6] or "import " in texts[2] + texts[6]
     assert "User:" in texts[3] and "User:" in texts[7]  # a window is longer than a conversation
 
 
@@ -77,24 +94,17 @@ def test_eval_scores_every_domain_and_heads_with_the_worst(austen, tiny_llama_di
     worst = max(domains, key=lambda d: domains[d]["ppl_increase"])
     assert figures["worst_domain"] == worst and figures["ppl"] == domains[worst]["ppl"]
     assert domains["chat"]["data"] == "chat/evaluation" and "worst domain" in run.stdout
-    refused = specquant("eval", f"model={tiny_llama_dir}", "task=all", "data=domains", env=env)
-    assert refused.returncode == 2 and "task=ppl" in refused.stderr
 
 
-def test_the_domains_fetch_austen_on_first_use(tmp_path, monkeypatch, tiny_tokenizer):
-    """As a model is fetched on first use: the mix and the domains fetch the Austen text once (here a stand-in for
-    the Debian download), then read the cache."""
-    import toolkit.data.chat as chat
+def test_domains_take_perplexity_only():
+    from hydra import compose, initialize_config_dir
 
-    monkeypatch.setenv("SPECQUANT_HOME", str(tmp_path))
-    calls = []
+    from toolkit.cli.app import CONF_DIR
+    from toolkit.cli.eval import evaluate_model
 
-    def fake_fetch(name):
-        calls.append(name)
-        cache.write_cache(name, [Document("Emma, chapter 1", EMMA * 40, "Emma"),
-                                 Document("Persuasion, chapter 1", PERSUASION * 40, "Persuasion")], "test")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("eval", overrides=["task=all", "data=domains"])
+    with pytest.raises(InputError, match="perplexity only") as err:
+        evaluate_model(cfg)  # refused before any model loads
+    assert "task=ppl" in err.value.fix
 
-    monkeypatch.setattr(chat, "fetch", fake_fetch)
-    calibration_batches(tiny_tokenizer, "mix", n_samples=4, seq_len=64)
-    domain_texts("chat", EVALUATION, tiny_tokenizer)
-    assert calls == ["austen"]

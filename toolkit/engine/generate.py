@@ -112,7 +112,8 @@ def prefill(model, input_ids, attention_mask, position_ids, cache) -> torch.Tens
         for start in range(0, input_ids.shape[1], step):
             end = start + step
             mask = attention_mask[:, :end] if attention_mask is not None else None
-            logits = _forward(model, input_ids[:, start:end], mask, position_ids[:, start:end], cache)
+            positions = position_ids[:, start:end] if position_ids is not None else None
+            logits = _forward(model, input_ids[:, start:end], mask, positions, cache)
     return logits
 
 
