@@ -27,6 +27,19 @@ class CountedKVLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
 
+    # kv.window (toolkit/kv/window.py): the window's shape and the model's RoPE frequencies (set by a windowed
+    # cache), the tokens dropped so far and the sinks' keys as first written (set by `_slide`)
+    window: Window | None = None
+    inv_freq: torch.Tensor | None = None
+    dropped = 0
+    sink_keys: torch.Tensor | None = None
+    _slide = staticmethod(slide)  # how this kind of layer drops tokens
+
+    def make_room(self, rows: int) -> None:
+        """A windowed layer: drop its oldest tokens past the sinks if `rows` more would not fit."""
+        if self.window is not None:
+            self._slide(self, rows)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Called before `update` for this step: attention will see the cached prefix plus the new queries.
         return self.length + query_length, 0
@@ -51,9 +64,7 @@ class ContiguousKVLayer(CountedKVLayer):
         self.max_length = max_length
         self.length = 0
         self.store, self.store_one_sequence = store, one_sequence
-        # kv.window (toolkit/kv/window.py): tokens dropped so far, and the sinks' keys as first written
         self.window, self.inv_freq = window, inv_freq
-        self.dropped, self.sink_keys = 0, None
 
     def storage_dtype(self, batch: int, states: torch.dtype) -> torch.dtype:
         """What the buffers hold: `store` where set (with `one_sequence`, kv.dtype=auto's rule, only for a batch of
@@ -97,11 +108,6 @@ class ContiguousKVLayer(CountedKVLayer):
             hint = ": a windowed cache needs make_room first" if self.window else ""
             raise RuntimeError(f"KV cache overflow: {end} tokens > max_length {self.max_length}{hint}")
         self.length = end
-
-    def make_room(self, rows: int) -> None:
-        """A windowed layer: drop its oldest tokens past the sinks if `rows` more would not fit (window.slide)."""
-        if self.window is not None:
-            slide(self, rows)
 
     # the filled prefix, as views made when read: the native decoder advances every layer on every call and never
     # reads them, so making the views there cost ~4 us a layer a call (~1 ms a speculative round on SmolLM2)
@@ -181,8 +187,7 @@ class LayeredKVCache(Cache):
     def make_room(self, rows: int) -> None:
         """Before a call adding `rows` tokens: a windowed cache drops what it no longer keeps; others do nothing."""
         for layer in self.layers:
-            if hasattr(layer, "make_room"):
-                layer.make_room(rows)
+            layer.make_room(rows)
 
     def read_splits(self, tokens: int) -> list[int]:
         """Offsets 0 < j < tokens at which a pass of `tokens` new tokens must be cut (update and attend piece by

@@ -59,6 +59,7 @@ from toolkit.kv.window import Window, slide_quantized
 
 
 class QuantizedKVLayer(CountedKVLayer):
+    _slide = staticmethod(slide_quantized)  # a window drops whole key groups (toolkit/kv/window.py)
     # bumped whenever any layer's buffers are (re)made (first update, reorder_cache): the native stack keeps its
     # arrays of their addresses while this is unchanged (toolkit/engine/native_kv.py)
     buffer_epoch = 0
@@ -66,9 +67,7 @@ class QuantizedKVLayer(CountedKVLayer):
     def __init__(self, max_length: int, cfg: KVQuantConfig, workspace: "Workspace | None" = None,
                  rope: RotaryTable | None = None, window: Window | None = None, inv_freq: torch.Tensor | None = None):
         super().__init__()
-        # kv.window (toolkit/kv/window.py): tokens dropped so far, and the head's keys as first written
-        self.window, self.inv_freq = window, inv_freq
-        self.dropped, self.sink_keys = 0, None
+        self.window, self.inv_freq = window, inv_freq  # kv.window (toolkit/kv/window.py)
         if cfg.pre_rope and rope is None:
             raise InputError("kv.pre_rope=true needs the model's rotary frequencies",
                              "build the cache with QuantizedKVCache.for_model, or set kv.pre_rope=false")
@@ -266,12 +265,6 @@ class QuantizedKVLayer(CountedKVLayer):
             raise RuntimeError(f"KV cache overflow: {self.length + key_states.shape[-2]} tokens > max_length "
                                f"{self.max_length}")
         self._append(key_states, value_states)
-
-    def make_room(self, rows: int) -> None:
-        """A windowed layer: drop whole key groups past its head if `rows` more would not fit
-        (window.slide_quantized)."""
-        if self.window is not None:
-            slide_quantized(self, rows)
 
     def in_window(self, n: int) -> bool:
         """Whether `n` new tokens stay behind the full-precision window without any token leaving it (no flush) and
