@@ -169,7 +169,8 @@ def _cut_prompts(name: str, texts: Sequence[str], style: _Style, templates: Sequ
             if len(prompts) == n:
                 return prompts
     raise DataError(f"only {len(prompts)} {name} prompts of {budget} tokens fit in its evaluation text",
-                    fix="ask for fewer prompts or fewer prompt tokens, or use a larger set (docs, story)")
+                    fix="ask for fewer prompts or fewer prompt tokens, or use a set of longer passages: code (whole "
+                        "stdlib modules, past 8,000 tokens), docs, story")
 
 
 def _named(source: str, style: _Style, templates: Sequence[str] = ("{passage}",)):
