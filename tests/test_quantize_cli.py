@@ -97,8 +97,8 @@ def _decode_choices(model, ids, start=32):
 
 
 def _forward_choices(model, ids, start=32):
-    """The same choices from one forward over the text: float layers compute a position's logits the same way in a
-    prompt pass as in a decode step, so only the kernels need `_decode_choices`' one step a position."""
+    """The same choices from one forward over the text: float layers give a position the same logits (up to
+    rounding) in a prompt pass as in a decode step, so only the kernels need `_decode_choices`' step a position."""
     with torch.inference_mode():
         return model(ids).logits[0, start:].argmax(-1)
 
