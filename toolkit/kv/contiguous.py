@@ -185,7 +185,10 @@ class LayeredKVCache(Cache):
     call_rows: int | None = None
 
     def make_room(self, rows: int) -> None:
-        """Before a call adding `rows` tokens: a windowed cache drops what it no longer keeps; others do nothing."""
+        """Before a call adding `rows` tokens: a windowed cache drops what it no longer keeps; others do nothing
+        (and, on every decode step, skip the walk over their layers: only a window sets `call_rows`)."""
+        if self.call_rows is None:
+            return
         for layer in self.layers:
             layer.make_room(rows)
 
