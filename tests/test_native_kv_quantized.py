@@ -95,6 +95,10 @@ def test_a_verify_pass_reads_what_one_token_steps_read_bit_for_bit(model, kv):
     """With `stepwise_reads` (a speculative target's cache) a pass is cut where a flush falls inside it, and each row
     gets exactly the logits of one-token steps, past a chunk boundary too; a crop leaves the state a shorter cache
     holds, so the steps after it match as well."""
+    _verify_passes_match_steps(model, kv)
+
+
+def _verify_passes_match_steps(model, kv):
     torch.manual_seed(1)
     ids = torch.randint(4, model.config.vocab_size, (1, 300))
     cache = make_kv_cache(model, 320, kv)
@@ -112,6 +116,10 @@ def test_a_verify_pass_reads_what_one_token_steps_read_bit_for_bit(model, kv):
 
 
 def test_speculative_greedy_output_over_a_kivi_cache_is_the_target_alone(model, tiny_tokenizer, monkeypatch):
+    _speculation_is_the_target_alone(model, tiny_tokenizer, monkeypatch)
+
+
+def _speculation_is_the_target_alone(model, tiny_tokenizer, monkeypatch):
     import pydoc_data.topics
 
     from toolkit.engine import generate
@@ -144,3 +152,73 @@ def test_caches_it_does_not_read_take_the_torch_path(model, options, monkeypatch
             forward(input_ids=ids[:, :8], cache=cache, use_cache=True)
             results.append(forward(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits)
     assert torch.equal(*results) and not calls
+
+
+@pytest.fixture(scope="module")
+def int8_model(tiny_wide_llama):
+    """The int4 stack on int8 activations (a draft's stack, a target's at engine.native_dot=int8), head dim 64 with
+    GQA: the grouped keys' scores are taken in integers (attention.c `int_query`)."""
+    from toolkit.engine.native_decoder import int_scores_built
+    from toolkit.spec.self_draft import build_self_draft
+
+    if not int_scores_built():
+        pytest.skip("this build has no integer scores (they need AVX512-VNNI)")
+    target = copy.deepcopy(tiny_wide_llama)
+    prepare_model(target, Precision(torch.float32, torch.float16), gemm="fbgemm")
+    install(target)
+    out = build_self_draft(target, bits=4, group_size=32)
+    out.forward.use_activations("int8")
+    decoder = out.forward.native_decoder()
+    if decoder is None or not decoder.int_scores:
+        pytest.skip(f"the w4a8 stack does not run this model here: {out.forward.native_reason}")
+    return out
+
+
+def _steps(model, ids, cache, at: int, end: int) -> torch.Tensor:
+    return torch.cat([model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits[0] for i in range(at, end)])
+
+
+@pytest.mark.parametrize("kv", [CACHES[0], CACHES[1], CACHES[3]], ids=str)
+def test_integer_scores_are_the_fp32_scores_within_int16_rounding(model, kv, monkeypatch):
+    """The same prompt and steps with the grouped keys scored in integers (forced on a stack with fp32 activations,
+    whose logits follow the scores smoothly) and in fp32: close (the query rounded to int16 per key group), not
+    equal (the integer path ran), past a chunk boundary (256)."""
+    from toolkit.engine.native_decoder import int_scores_built
+
+    decoder = model.forward.native_decoder()
+    if not int_scores_built() or decoder.dims.head_dim != 64:
+        pytest.skip("integer scores need AVX512-VNNI and the register attention (head dim 64 or 128)")
+    torch.manual_seed(2)
+    ids = torch.randint(4, model.config.vocab_size, (1, 300))
+    logits = {}
+    with torch.inference_mode():
+        for on in (True, False):
+            monkeypatch.setattr(decoder, "int_scores", on)
+            cache = make_kv_cache(model, 320, kv)
+            model(input_ids=ids[:, :240], cache=cache, use_cache=True)
+            logits[on] = _steps(model, ids, cache, 240, 270)
+    diff = float((logits[True] - logits[False]).abs().max() / logits[False].abs().max())
+    assert 0 < diff <= 2e-3, diff
+
+
+@pytest.mark.parametrize("kv", CACHES[:2], ids=str)
+def test_a_calls_rows_do_not_depend_on_its_length_with_integer_scores(int8_model, kv):
+    """A call of many rows (a prompt's: 60 queries a key/value head, which would read a chunk tile in fp32) takes the
+    integer path too, so its first rows are a 10-row call's (20 queries, the register path) bit for bit."""
+    torch.manual_seed(2)
+    ids = torch.randint(4, int8_model.config.vocab_size, (1, 300))
+    cache = make_kv_cache(int8_model, 320, kv)
+    with torch.inference_mode():
+        int8_model(input_ids=ids[:, :240], cache=cache, use_cache=True)
+        together, first = (int8_model(input_ids=ids[:, 240:end], cache=copy.deepcopy(cache), use_cache=True).logits[0]
+                           for end in (270, 250))
+    assert torch.equal(together[:10], first)
+
+
+@pytest.mark.parametrize("kv", CACHES[:2], ids=str)
+def test_a_verify_pass_reads_what_one_token_steps_read_with_integer_scores(int8_model, kv):
+    _verify_passes_match_steps(int8_model, kv)
+
+
+def test_speculative_greedy_output_with_integer_scores_is_the_target_alone(int8_model, tiny_tokenizer, monkeypatch):
+    _speculation_is_the_target_alone(int8_model, tiny_tokenizer, monkeypatch)

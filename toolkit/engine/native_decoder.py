@@ -112,6 +112,7 @@ def load():
     lib.sq_b16_linear.argtypes = [p, i64, i64, p, p, i64, p]  # the bf16 kernel it includes: its AMX switch and test
     lib.sq_b16_amx.argtypes = [ctypes.c_int]
     lib.sq_decoder_timing.argtypes = [ctypes.c_int, p]
+    lib.sq_int_scores_built.restype = ctypes.c_int
     bf16_native.use_amx(lib)
     return lib
 
@@ -119,6 +120,12 @@ def load():
 @lru_cache(maxsize=1)
 def library():
     return load() if int4_native.available() else None
+
+
+def int_scores_built() -> bool:
+    """Whether this build scores a KIVI cache's grouped keys in integers at int8 activations (AVX512-VNNI)."""
+    lib = library()
+    return lib is not None and bool(lib.sq_int_scores_built())
 
 
 PHASES = ("norms and residuals", "products", "rotary and cache writes", "attention", "SiLU x up")
@@ -374,6 +381,8 @@ class NativeDecoder:
         # products with int8 activations: int4 or int8 weights on vnni_gemm.c (`of(..., activations="int8")`)
         self.w4a8 = sum(kinds.count(kind) for kind in INT8_ACTIVATIONS)
         self.half = kinds.count(H16) + kinds.count(B16)  # a float model's fp16 products (h16 or b16 kernel)
+        # every product on int8 activations: a KIVI cache's keys are scored in integers too (native_kv.py)
+        self.int_scores = bool(kinds) and self.w4a8 == len(kinds)
         # the fp32 int4 GEMM loses to dequantize + F.linear from the packs' max_rows on; every other kernel wins at
         # any row count: w4a8/w8a8 (integer dot products), and fp16, bf16 and exact int8 against the torch path
         # (a 512-token SmolLM2 prompt: fp16 835 -> 623 ms, bf16 751 -> 437 ms, int8 953 -> 620 ms, and exact where
@@ -538,7 +547,8 @@ class NativeDecoder:
             # where no token leaves the window, the stack writes the new ones straight behind it (a decode step
             # between flushes); else to a scratch, appended (and quantized) by the cache after the call
             in_place = first.in_window(b - a)
-            structs, bounds = self._kivi.structs(cache, layers, b - a, d.kv_heads, d.head_dim, in_place)
+            structs, bounds = self._kivi.structs(cache, layers, b - a, d.kv_heads, d.head_dim, in_place,
+                                                 self.int_scores)
             piece = hidden[0, a:b]
             rc = library().sq_decoder_layers_kvq(ctypes.byref(self.layers), self.n_layers, ctypes.byref(d),
                                                  piece.data_ptr(), b - a, cos[a:b].data_ptr(), sin[a:b].data_ptr(),

@@ -11,6 +11,11 @@ The call's new keys and values go straight behind the full-precision window wher
 `append` hands them to each layer, which quantizes what leaves (the same Python code as the torch path: the cache's
 state stays a function of its length).
 
+Where the stack's products take int8 activations (engine.native_dot=int8, a draft's stack), the keys' scores over
+the grouped codes are taken in integers as well, on AVX512-VNNI (docs/kv-cache.md "Scores on the codes"): one
+vpdpbusd per 64 codes instead of a conversion and two FMAs per code. Every row then reads the chunks this way,
+prompts included.
+
 Which caches: plain codes at 2, 4 or 8 bits, `kv.dequant=full` (the default), fp32 activations, one sequence. Keys
 quantized before rotation (`kv.pre_rope`, on by default at 2 bits) and hierarchical INT8 take the torch path. A
 verify pass on a cache that must be read step by step (`read_splits`) runs its pieces one after another
@@ -36,7 +41,8 @@ class _KVQLayer(ctypes.Structure):
 
 class _KVQ(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("bits", "group", "vgroup", "flushed_keys", "flushed_values", "sink",
-                                          "key_cap", "value_cap", "res_cap", "sink_cap", "new_rows", "new_at")]
+                                          "key_cap", "value_cap", "res_cap", "sink_cap", "new_rows", "new_at",
+                                          "int_scores")]
 
 
 def reads(layer) -> bool:
@@ -64,10 +70,12 @@ class KIVIView:
             self._new = torch.empty(2, n_layers, size)
         return self._new
 
-    def structs(self, cache, layers: list, rows: int, kv_heads: int, head_dim: int, in_place: bool):
+    def structs(self, cache, layers: list, rows: int, kv_heads: int, head_dim: int, in_place: bool,
+                int_scores: bool = False):
         """(the layers' `_KVQLayer` array, the bounds' `_KVQ`) for a call of `rows` rows, its new keys and values
         written in place behind each layer's full-precision window (`in_place`: `QuantizedKVLayer.in_window`) or to
-        the scratch (`append` after the call)."""
+        the scratch (`append` after the call). `int_scores`: the stack's products take int8 activations, and the
+        grouped keys' scores are taken in integers too where the kernel can (attention.c `int_query`)."""
         new = self._scratch(len(layers), kv_heads, rows, head_dim)
         key = (QuantizedKVLayer.buffer_epoch, new.data_ptr(), len(layers))
         held = self._arrays.get(cache)
@@ -90,7 +98,7 @@ class KIVIView:
         new_rows, new_at = (res_cap, first.length - first.v_quantized) if in_place else (rows, 0)
         bounds = _KVQ(cfg.bits, cfg.group_size, first.value_group, first.quantized, first.v_quantized,
                       min(cfg.sink, first.v_quantized), first.k_codes[0].shape[2], first.v_codes[0].shape[2],
-                      res_cap, cfg.sink, new_rows, new_at)
+                      res_cap, cfg.sink, new_rows, new_at, int(int_scores))
         return held[1][in_place], bounds
 
     def append(self, layers: list, rows: int, kv_heads: int, head_dim: int) -> None:

@@ -201,6 +201,9 @@ typedef struct {
 typedef struct {
     int64_t bits, group, vgroup, flushed_keys, flushed_values, sink, key_cap, value_cap, res_cap, sink_cap;
     int64_t new_rows, new_at;
+    /* 1: the stack's products take int8 activations (engine.native_dot=int8, a draft's stack), and so do the keys'
+     * scores over the grouped codes (`int_scores`, where built); 0: fp32 scores */
+    int64_t int_scores;
 } sq_kvq;
 
 /* codes of one row (`bits` each, packed lowest bits first along the channels) times scale plus minimum, into
@@ -280,7 +283,23 @@ typedef struct {
     const uint16_t *k_scale, *k_min, *v_scale, *v_min, *k8_scale, *k8_min;
     const float *k_res, *v_res, *k_sink, *v_sink, *k_new, *v_new;
     int64_t start, flushed_keys, flushed_values, sink, bits, rowb, vpr, vg_shift, group_shift, ring_mask;
+    int64_t int_scores; /* `kivi_int_scores` */
 } kivi_src;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SQ_INT_SCORES 1
+#endif
+
+/* whether the grouped keys' scores are taken in integers (`int_query`): asked for (int8 activations), built with
+ * VNNI, 8- or 4-bit codes, and key groups of whole 16-key blocks */
+static int kivi_int_scores(const sq_kvq *q) {
+#ifdef SQ_INT_SCORES
+    return q->int_scores && (q->bits == 8 || q->bits == 4) && q->group >= 16;
+#else
+    (void)q;
+    return 0;
+#endif
+}
 
 static kivi_src kivi_head(const sq_kvq_layer *L, const sq_kvq *q, int64_t kvh, int64_t start, int64_t hd) {
     kivi_src s;
@@ -305,6 +324,7 @@ static kivi_src kivi_head(const sq_kvq_layer *L, const sq_kvq *q, int64_t kvh, i
     s.v_new = L->v_new + (kvh * q->new_rows + q->new_at) * hd;
     s.start = start, s.flushed_keys = q->flushed_keys, s.flushed_values = q->flushed_values, s.sink = q->sink;
     s.bits = q->bits, s.rowb = rowb, s.vpr = vpr, s.vg_shift = vg_shift, s.group_shift = shift, s.ring_mask = ring - 1;
+    s.int_scores = kivi_int_scores(q);
     return s;
 }
 
@@ -424,6 +444,112 @@ static inline __attribute__((always_inline)) void kivi_value(const kivi_src *s, 
     grouped_row(s->v_codes + t * s->rowb, s->bits, s->v_scale + t * s->vpr, s->v_min + t * s->vpr, s->vg_shift, r, C);
 }
 
+#ifdef SQ_INT_SCORES
+/* Keys' scores on the codes in integers, where the stack's products take int8 activations (engine.native_dot=int8;
+ * docs/kv-cache.md "Scores on the codes"). A grouped key is k_j = c_j s_j + m_j (s, m: its key group's per-channel
+ * scale and minimum), so q.k = sum_j (q_j s_j) c_j + q.m. Per query row and key group, a_j = q_j s_j is rounded to
+ * int16 with one scale (alpha = max |a_j| / 32767) and q.m kept in fp32; a key's score is then
+ * alpha * sum_j a'_j c_j + q.m, the sum exact in int32 on vpdpwssd (32 codes widened to 16 bits, times a', an
+ * instruction), where the fp32 score costs every code a conversion and two FMAs. Rounding a' to int8 (vpdpbusd)
+ * moved the logits more than the int8 cache's own rounding did; int16 keeps a' within 1 / 65534 of its largest
+ * channel. An approximation of the fp32 score all the same, made from the row alone: rows stay independent. */
+typedef struct {
+    int16_t a[128]; /* a'_j in the order `int_codes` widens the codes */
+    float alpha, bias;
+    int64_t g; /* the key group this is for, -1: none yet */
+} int_query;
+
+/* `int_query` of q for key group g. 8-bit codes keep the channel order; 4-bit codes unpack each 64 channels (32
+ * bytes) as the low nibbles (the even channels) then the high nibbles (the odd), and a' is ordered the same way. */
+static inline __attribute__((always_inline)) void int_query_for(const float *q, const kivi_src *s, int64_t g,
+                                                              int_query *iq, const int C) {
+    const int64_t hd = 16 * C;
+    __m512 a[8], mx = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    for (int i = 0; i < C; i++) {
+        const __m512 qv = _mm512_loadu_ps(q + 16 * i);
+        a[i] = _mm512_mul_ps(qv, half16(s->k_scale + g * hd + 16 * i));
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(a[i]));
+        b = _mm512_fmadd_ps(qv, half16(s->k_min + g * hd + 16 * i), b);
+    }
+    const float top = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+    if (s->bits == 4) {
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        for (int i = 0; i < C; i += 4) {
+            const __m512 e0 = _mm512_permutex2var_ps(a[i], even, a[i + 1]);
+            const __m512 e1 = _mm512_permutex2var_ps(a[i + 2], even, a[i + 3]);
+            const __m512 o0 = _mm512_permutex2var_ps(a[i], odd, a[i + 1]);
+            const __m512 o1 = _mm512_permutex2var_ps(a[i + 2], odd, a[i + 3]);
+            a[i] = e0, a[i + 1] = e1, a[i + 2] = o0, a[i + 3] = o1;
+        }
+    }
+    for (int i = 0; i < C; i++)
+        _mm256_storeu_si256((__m256i *)(iq->a + 16 * i),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a[i], inv))));
+    iq->alpha = top / 32767.f;
+    iq->bias = _mm512_reduce_add_ps(b);
+    iq->g = g;
+}
+
+/* the codes of n keys (rows of hd * bits / 8 bytes) widened to 16 bits into tile[n][hd] in `int_query_for`'s order */
+static inline __attribute__((always_inline)) void int_codes(const uint8_t *rows, int64_t bits, int64_t n,
+                                                          int16_t *tile, const int C) {
+    const int64_t hd = 16 * C;
+    for (int64_t u = 0; u < n; u++) {
+        int16_t *out = tile + u * hd;
+        if (bits == 8) {
+            for (int i = 0; i < C / 2; i++)
+                _mm512_storeu_si512(out + 32 * i, _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(rows + u * hd + 32 * i))));
+            continue;
+        }
+        const __m256i low = _mm256_set1_epi8(15);
+        for (int i = 0; i < C / 4; i++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(rows + u * hd / 2 + 32 * i));
+            _mm512_storeu_si512(out + 64 * i, _mm512_cvtepu8_epi16(_mm256_and_si256(x, low)));
+            _mm512_storeu_si512(out + 64 * i + 32, _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(x, 4),
+                                                                                        low)));
+        }
+    }
+}
+
+/* `sum16` in int32 (exact: any order gives the same sums) */
+static inline __m512i sum16i(const __m512i *v) {
+    __m512i w[8], u[4];
+    for (int j = 0; j < 8; j++)
+        w[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * j], v[2 * j + 1]),
+                                _mm512_unpackhi_epi32(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) {
+        const __m512 a = _mm512_castsi512_ps(w[2 * j]), b = _mm512_castsi512_ps(w[2 * j + 1]);
+        u[j] = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0))),
+                                _mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2))));
+    }
+    const __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                         _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512i s23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                         _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* the scores alpha * sum a'c + q.m of n keys (n <= 16; their widened codes at tile, hd apart), lanes >= n 0 */
+static inline __attribute__((always_inline)) __m512 int_scores16(const int16_t *tile, int64_t n, const int_query *iq,
+                                                               const int C) {
+    const int64_t hd = 16 * C;
+    __m512i a[4], v[16];
+    for (int i = 0; i < C / 2; i++) a[i] = _mm512_loadu_si512(iq->a + 32 * i);
+    for (int u = 0; u < 16; u++) {
+        __m512i acc = _mm512_setzero_si512();
+        if (u < n)
+            for (int i = 0; i < C / 2; i++)
+                acc = _mm512_dpwssd_epi32(acc, _mm512_loadu_si512(tile + u * hd + 32 * i), a[i]);
+        v[u] = acc;
+    }
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum16i(v)), _mm512_set1_ps(iq->alpha), _mm512_set1_ps(iq->bias));
+}
+#endif
+
 /* Q query rows of one key/value head's group over positions t0 .. t0 + lens[i] - 1 of a KIVI chunk: each position
  * read once into registers and used by every query (GQA, and a verify pass's rows). Per query the arithmetic of
  * `attend_zmm` in the same order -- its keys' scores 16 at a time through `sum16`, the softmax, the weighted value sum
@@ -440,9 +566,31 @@ static inline __attribute__((always_inline)) void attend_kivi_zmm(const float *c
         if (lens[i] > most) most = lens[i];
     }
     const __m512 sc = _mm512_set1_ps(scaling);
+#ifdef SQ_INT_SCORES
+    int_query iq[6];
+    for (int i = 0; i < Q; i++) iq[i].g = -1;
+#endif
     for (int64_t b = 0; b < most; b += 16) {
-        const int64_t nk = most - b < 16 ? most - b : 16;
-        kivi_keys(src, t0 + b, nk, kt, C);
+        const int64_t nk = most - b < 16 ? most - b : 16, t = t0 + b;
+#ifdef SQ_INT_SCORES
+        /* a block of grouped keys (one key group: groups are whole blocks) scored in integers */
+        if (src->int_scores && t >= src->sink && t + nk <= src->flushed_keys) {
+            int16_t *tile = (int16_t *)kt;
+            int_codes(src->k_codes + t * src->rowb, src->bits, nk, tile, C);
+            const int64_t g = t >> src->group_shift;
+            for (int qi = 0; qi < Q; qi++) {
+                const int64_t n = lens[qi] - b < 16 ? lens[qi] - b : 16;
+                if (n <= 0) continue;
+                if (iq[qi].g != g) int_query_for(qs[qi], src, g, &iq[qi], C);
+                const __mmask16 m = tail_mask(n);
+                const __m512 s = _mm512_mul_ps(int_scores16(tile, n, &iq[qi], C), sc);
+                _mm512_mask_storeu_ps(p + qi * SQ_KV_CHUNK + b, m, s);
+                mx[qi] = _mm512_mask_max_ps(mx[qi], m, mx[qi], s);
+            }
+            continue;
+        }
+#endif
+        kivi_keys(src, t, nk, kt, C);
         for (int qi = 0; qi < Q; qi++) {
             const int64_t n = lens[qi] - b < 16 ? lens[qi] - b : 16;
             if (n <= 0) continue;

@@ -401,8 +401,10 @@ static int stack(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, fl
                 float *kt = tiles + (int64_t)omp_get_thread_num() * 2 * SQ_KV_CHUNK * hd, *vt = kt + SQ_KV_CHUNK * hd;
 #ifdef __AVX512F__
                 /* a decode step or a verify pass's piece (the cache cuts those at 8 rows): the queries in batches, each
-                 * position read once a batch; a prompt's many rows: `fill_chunk` reads the chunk once for all */
-                if (kivi_in_registers(kq, hd) && group * M <= SQ_KIVI_QUERIES) {
+                 * position read once a batch; a prompt's many rows: `fill_chunk` reads the chunk once for all, but
+                 * where keys are scored in integers, which only `attend_kivi` does (a row's scores must not depend on
+                 * how many rows the call holds) */
+                if (kivi_in_registers(kq, hd) && (group * M <= SQ_KIVI_QUERIES || kivi_int_scores(kq))) {
                     const kivi_src src = kivi_head(kv + l, kq, kvh, start, hd);
                     attend_group(&src, wide, qkvn, kvh, group, M, start, t0, hd, dm->scaling, parts, chunks, c);
                     continue;
@@ -489,5 +491,14 @@ int sq_decoder_layers_kvq(const sq_layer *layers, int64_t n_layers, const sq_dim
 #else
     return stack(layers, n_layers, dm, hidden, M, cos, sin, NULL, NULL, (const sq_kvq_layer *)kv,
                  (const sq_kvq *)kq, start);
+#endif
+}
+
+/* 1 where this build scores a KIVI cache's grouped keys in integers at int8 activations (`kivi_int_scores`) */
+int sq_int_scores_built(void) {
+#ifdef SQ_INT_SCORES
+    return 1;
+#else
+    return 0;
 #endif
 }
