@@ -178,7 +178,11 @@ def _steps(model, ids, cache, at: int, end: int) -> torch.Tensor:
     return torch.cat([model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits[0] for i in range(at, end)])
 
 
-@pytest.mark.parametrize("kv", [CACHES[0], CACHES[1], CACHES[3]], ids=str)
+# groups of 16 (keys in integers, values in fp32), 32 (two value groups a row) and 64 (one), no sink
+INTEGER_CACHES = [CACHES[0], spec(8, group_size=32), spec(4, group_size=32), CACHES[3]]
+
+
+@pytest.mark.parametrize("kv", INTEGER_CACHES, ids=str)
 def test_integer_scores_are_the_fp32_scores_within_int16_rounding(model, kv, monkeypatch):
     """The same prompt and steps with the grouped keys scored in integers (forced on a stack with fp32 activations,
     whose logits follow the scores smoothly) and in fp32: close (the query rounded to int16 per key group), not
@@ -198,10 +202,10 @@ def test_integer_scores_are_the_fp32_scores_within_int16_rounding(model, kv, mon
             model(input_ids=ids[:, :240], cache=cache, use_cache=True)
             logits[on] = _steps(model, ids, cache, 240, 270)
     diff = float((logits[True] - logits[False]).abs().max() / logits[False].abs().max())
-    assert 0 < diff <= 2e-3, diff
+    assert 0 < diff <= 1e-2, diff
 
 
-@pytest.mark.parametrize("kv", CACHES[:2], ids=str)
+@pytest.mark.parametrize("kv", INTEGER_CACHES, ids=str)
 def test_a_calls_rows_do_not_depend_on_its_length_with_integer_scores(int8_model, kv):
     """A call of many rows (a prompt's: 60 queries a key/value head, which would read a chunk tile in fp32) takes the
     integer path too, so its first rows are a 10-row call's (20 queries, the register path) bit for bit."""
@@ -215,7 +219,7 @@ def test_a_calls_rows_do_not_depend_on_its_length_with_integer_scores(int8_model
     assert torch.equal(together[:10], first)
 
 
-@pytest.mark.parametrize("kv", CACHES[:2], ids=str)
+@pytest.mark.parametrize("kv", INTEGER_CACHES[1:3], ids=str)
 def test_a_verify_pass_reads_what_one_token_steps_read_with_integer_scores(int8_model, kv):
     _verify_passes_match_steps(int8_model, kv)
 

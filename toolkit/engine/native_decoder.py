@@ -457,7 +457,10 @@ class NativeDecoder:
         if self.head is not None:
             head = (f"bf16 dot{amx} (bf16_gemm.c), {level}" if self.head_kernel is bf16_native
                     else f"fp16 x fp32 (half_gemm.c), {level}")
-        return {"decoder": f"native stack (decoder_layers.c), {level}", "products": products, "head": head}
+        out = {"decoder": f"native stack (decoder_layers.c), {level}", "products": products, "head": head}
+        if self.int_scores and int_scores_built():
+            out["quantized KV"] = f"keys' scores and values' sums in integers (attention.c int_query), {level}"
+        return out
 
     def applies(self, hidden: torch.Tensor, attention_mask, cache) -> bool:
         """Whether this call can run natively (see the module docstring); cheap checks only."""

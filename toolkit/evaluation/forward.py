@@ -9,7 +9,6 @@ values that went through the cache (quantized, for a quantized kind), as they do
 import torch
 
 from toolkit.engine.precision import runs_int8_activations
-from toolkit.errors import InputError
 from toolkit.kv import KVSpec, kv_spec, make_kv_cache
 
 NATIVE_CHUNK = 1024
@@ -22,7 +21,7 @@ def window_logits(model, ids: torch.Tensor, kv: KVSpec | None = None, chunk: int
     device = next(model.parameters()).device
     ids = ids.to(device)
     if runs_int8_activations(model):
-        return _native_window_logits(model, ids, kv)
+        return _native_window_logits(model, ids, kv, chunk)
     if (not chunk or chunk >= ids.shape[1]) and not kv_spec(kv).window:
         return model(input_ids=ids, use_cache=False).logits
     batch, length = ids.shape
@@ -37,17 +36,14 @@ def window_logits(model, ids: torch.Tensor, kv: KVSpec | None = None, chunk: int
     return torch.cat(out, dim=1)
 
 
-def _native_window_logits(model, ids: torch.Tensor, kv) -> torch.Tensor:
-    """engine.native_dot=int8: the int8 activations exist only on the native stack, which runs one sequence through
-    a full-precision cache; each window goes through it alone, `NATIVE_CHUNK` tokens a call, so the figures are the
-    arithmetic generation uses."""
-    if kv_spec(kv).quantized:
-        raise InputError("engine.native_dot=int8 is evaluated with the full-precision KV cache only",
-                         "use kv=fp, or engine.native_dot=fp32 to measure a quantized cache")
+def _native_window_logits(model, ids: torch.Tensor, kv, chunk: int | None = None) -> torch.Tensor:
+    """engine.native_dot=int8: the int8 activations exist only on the native stack, which runs one sequence at a
+    time; each window goes through it alone, `chunk` (at most `NATIVE_CHUNK`) tokens a call, so the figures are the
+    arithmetic generation uses -- a quantized cache's keys scored in integers included (docs/kv-cache.md)."""
     out = []
     for row in ids:
         cache = make_kv_cache(model, row.shape[0], kv)
-        chunk = min(NATIVE_CHUNK, cache.call_rows or NATIVE_CHUNK)
+        chunk = min(chunk or NATIVE_CHUNK, NATIVE_CHUNK, cache.call_rows or NATIVE_CHUNK)
         pieces = []
         for start in range(0, row.shape[0], chunk):
             piece = row[None, start:start + chunk]

@@ -283,10 +283,10 @@ typedef struct {
     const uint16_t *k_scale, *k_min, *v_scale, *v_min, *k8_scale, *k8_min;
     const float *k_res, *v_res, *k_sink, *v_sink, *k_new, *v_new;
     int64_t start, flushed_keys, flushed_values, sink, bits, rowb, vpr, vg_shift, group_shift, ring_mask;
-    int64_t int_scores; /* `kivi_int_scores` */
+    int64_t int_scores, int_values; /* `kivi_int_scores`; and values too, where a value group fills registers */
 } kivi_src;
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SQ_INT_SCORES 1
 #endif
 
@@ -325,6 +325,7 @@ static kivi_src kivi_head(const sq_kvq_layer *L, const sq_kvq *q, int64_t kvh, i
     s.start = start, s.flushed_keys = q->flushed_keys, s.flushed_values = q->flushed_values, s.sink = q->sink;
     s.bits = q->bits, s.rowb = rowb, s.vpr = vpr, s.vg_shift = vg_shift, s.group_shift = shift, s.ring_mask = ring - 1;
     s.int_scores = kivi_int_scores(q);
+    s.int_values = s.int_scores && q->vgroup >= 32;
     return s;
 }
 
@@ -548,6 +549,115 @@ static inline __attribute__((always_inline)) __m512 int_scores16(const int16_t *
     }
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum16i(v)), _mm512_set1_ps(iq->alpha), _mm512_set1_ps(iq->bias));
 }
+
+/* Values in integers, beside the keys (where a value group is whole 32-channel registers: vgroup >= 32). A grouped
+ * value is v_j = c_j s_t + m_t (s, m: token t's scale and minimum for the group of channel j), so a query's weighted
+ * sum over tokens t is sum_t (p_t s_t) c_tj + sum_t p_t m_t. Per query and chunk, w_t = p_t s_t is rounded to int16
+ * against its largest in the chunk (w' = w_t W / max w; W = 16383 for 8-bit codes, so that 256 tokens of sums stay
+ * inside int32, else 32767: a chunk far from where the query looks keeps its precision too) and the minima's sum
+ * kept in fp32; vpdpwssd multiplies
+ * a pair of tokens' widened codes, interleaved per channel, by the pair's w' at once. The range taken is the chunk's
+ * grouped values every query of the call reads whole (below the window): what a row reads does not depend on the
+ * rows beside it. */
+
+/* one value row's codes widened to 16 bits into V[C / 2], channel order */
+static inline __attribute__((always_inline)) void int_value_row(const uint8_t *row, int64_t bits, __m512i *V,
+                                                              const int C) {
+    if (bits == 8) {
+        for (int i = 0; i < C / 2; i++) V[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 32 * i)));
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int i = 0; i < C / 4; i++) { /* 32 bytes, 64 channels: byte b holds channel 2b (low nibble), 2b + 1 */
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(row + 32 * i));
+        const __m256i lo = _mm256_and_si256(x, low), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+        const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi); /* 0-15|32-47, 16-31|48-63 */
+        V[2 * i] = _mm512_cvtepu8_epi16(_mm256_permute2x128_si256(a, b, 0x20));
+        V[2 * i + 1] = _mm512_cvtepu8_epi16(_mm256_permute2x128_si256(a, b, 0x31));
+    }
+}
+
+/* adds the grouped values of chunk positions a .. b - 1 (a, b even; every query reads them all), weighted by each
+ * query's p (p + qi * SQ_KV_CHUNK, chunk-relative), into acc[qi] (C registers, channel order) */
+static inline __attribute__((always_inline)) void int_value_sums(const kivi_src *s, int64_t t0, int64_t a, int64_t b,
+                                                               const float *p, __m512 (*acc)[8], const int Q,
+                                                               const int C) {
+    const int64_t vpr = s->vpr, n = (b - a) * vpr; /* scales in [token][group] order */
+    const float W = s->bits == 8 ? 16383.f : 32767.f;
+    const uint16_t *vs = s->v_scale + (t0 + a) * vpr, *vm = s->v_min + (t0 + a) * vpr;
+    float fs[4 * SQ_KV_CHUNK + 16], fm[4 * SQ_KV_CHUNK + 16], wf[4 * SQ_KV_CHUNK + 16], back[6][4], M[6][4], inv[16];
+    int16_t wq[6][4 * SQ_KV_CHUNK + 16];
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        _mm512_storeu_ps(fs + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, vs + i)));
+        _mm512_storeu_ps(fm + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, vm + i)));
+    }
+    const __mmask16 lanes = vpr == 1 ? 0xFFFF : vpr == 2 ? 0x5555 : 0x1111; /* lane l holds group l % vpr */
+    /* p repeated per group; w' stored per pair of tokens as [group][token of the pair] */
+    const __m512i expand = vpr == 1 ? _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                         : vpr == 2 ? _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
+                                    : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i pairs = vpr == 1 ? expand
+                        : vpr == 2 ? _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15)
+                                   : _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    const int64_t per = 16 / vpr; /* tokens a vector holds */
+    for (int qi = 0; qi < Q; qi++) { /* w = p s, its largest per group, then w' = w W / largest */
+        const float *pq = p + qi * SQ_KV_CHUNK + a;
+        __m512 macc = _mm512_setzero_ps(), top = macc;
+        for (int64_t i = 0; i < n; i += 16) {
+            const int64_t tok = (n - i) / vpr;
+            const __m512 pv = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(tail_mask(tok < per ? tok : per),
+                                                                                 pq + i / vpr));
+            macc = _mm512_fmadd_ps(pv, _mm512_loadu_ps(fm + i), macc);
+            const __m512 w = _mm512_mul_ps(pv, _mm512_loadu_ps(fs + i));
+            _mm512_storeu_ps(wf + i, w);
+            top = _mm512_max_ps(top, w);
+        }
+        for (int g = 0; g < vpr; g++) {
+            const float most = _mm512_mask_reduce_max_ps((__mmask16)(lanes << g), top);
+            M[qi][g] = _mm512_mask_reduce_add_ps((__mmask16)(lanes << g), macc);
+            back[qi][g] = most / W;
+            inv[g] = most > 0.f ? W / most : 0.f;
+        }
+        for (int l = vpr; l < 16; l++) inv[l] = inv[l % vpr];
+        const __m512 invv = _mm512_loadu_ps(inv);
+        for (int64_t i = 0; i < n; i += 16) {
+            const __m512 w = _mm512_permutexvar_ps(pairs, _mm512_mul_ps(_mm512_loadu_ps(wf + i), invv));
+            _mm256_storeu_si256((__m256i *)(wq[qi] + i), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(w)));
+        }
+    }
+    __m512i iacc[6][8];
+    for (int qi = 0; qi < Q; qi++)
+        for (int k = 0; k < C; k++) iacc[qi][k] = _mm512_setzero_si512();
+    for (int64_t t = a; t < b; t += 2) {
+        __m512i V0[4], V1[4], P[8];
+        int_value_row(s->v_codes + (t0 + t) * s->rowb, s->bits, V0, C);
+        int_value_row(s->v_codes + (t0 + t + 1) * s->rowb, s->bits, V1, C);
+        for (int r = 0; r < C / 2; r++) { /* 32-bit lane 4k + i: channel 32r + 8k + i (lo), 32r + 8k + 4 + i (hi) */
+            P[2 * r] = _mm512_unpacklo_epi16(V0[r], V1[r]);
+            P[2 * r + 1] = _mm512_unpackhi_epi16(V0[r], V1[r]);
+        }
+        for (int qi = 0; qi < Q; qi++) {
+            const int16_t *w = wq[qi] + (t - a) * vpr;
+            for (int k = 0; k < C; k++) {
+                int32_t pair;
+                memcpy(&pair, w + 2 * ((32 * (k / 2)) >> s->vg_shift), 4);
+                iacc[qi][k] = _mm512_dpwssd_epi32(iacc[qi][k], P[k], _mm512_set1_epi32(pair));
+            }
+        }
+    }
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int qi = 0; qi < Q; qi++)
+        for (int r = 0; r < C / 2; r++) {
+            const int64_t g = (32 * r) >> s->vg_shift;
+            const __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[qi][2 * r]), _mm512_set1_ps(back[qi][g]));
+            const __m512 f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[qi][2 * r + 1]), _mm512_set1_ps(back[qi][g]));
+            const __m512 m = _mm512_set1_ps(M[qi][g]);
+            acc[qi][2 * r] = _mm512_add_ps(acc[qi][2 * r], _mm512_add_ps(_mm512_permutex2var_ps(f0, lo, f1), m));
+            acc[qi][2 * r + 1] = _mm512_add_ps(acc[qi][2 * r + 1], _mm512_add_ps(_mm512_permutex2var_ps(f0, hi, f1), m));
+        }
+}
 #endif
 
 /* Q query rows of one key/value head's group over positions t0 .. t0 + lens[i] - 1 of a KIVI chunk: each position
@@ -570,8 +680,16 @@ static inline __attribute__((always_inline)) void attend_kivi_zmm(const float *c
     int_query iq[6];
     for (int i = 0; i < Q; i++) iq[i].g = -1;
 #endif
+    if (t0 + 64 < src->flushed_keys) /* the chunk's first keys at once; the blocks ask for the rest ahead */
+        for (int64_t u = 0; u < 64 * src->rowb; u += 64)
+            _mm_prefetch((const char *)(src->k_codes + t0 * src->rowb + u), _MM_HINT_T0);
     for (int64_t b = 0; b < most; b += 16) {
         const int64_t nk = most - b < 16 ? most - b : 16, t = t0 + b;
+        if (t + 16 < src->flushed_values) /* the codes this block's values and the keys 4 blocks on read */
+            for (int64_t u = 0; u < 16 * src->rowb; u += 64) {
+                _mm_prefetch((const char *)(src->v_codes + t * src->rowb + u), _MM_HINT_T0);
+                _mm_prefetch((const char *)(src->k_codes + (t + 64) * src->rowb + u), _MM_HINT_T0);
+            }
 #ifdef SQ_INT_SCORES
         /* a block of grouped keys (one key group: groups are whole blocks) scored in integers */
         if (src->int_scores && t >= src->sink && t + nk <= src->flushed_keys) {
@@ -626,7 +744,18 @@ static inline __attribute__((always_inline)) void attend_kivi_zmm(const float *c
         sum[qi] = _mm512_reduce_add_ps(total);
         for (int i = 0; i < C; i++) acc[qi][i] = _mm512_setzero_ps();
     }
+    int64_t ia = 0, ib = 0; /* chunk positions whose values `int_value_sums` takes */
+#ifdef SQ_INT_SCORES
+    if (src->int_values) {
+        ia = (src->sink > t0 ? src->sink - t0 + 1 : 0) & ~(int64_t)1;
+        ib = (src->flushed_values - t0 < SQ_KV_CHUNK ? src->flushed_values - t0 : SQ_KV_CHUNK) & ~(int64_t)1;
+        if (ib > ia) int_value_sums(src, t0, ia, ib, p, acc, Q, C);
+        else ia = ib = 0;
+    }
+#endif
     for (int64_t t = 0; t < most; t++) {
+        if (t == ia && ib > ia) t = ib;
+        if (t >= most) break;
         __m512 r[8];
         kivi_value(src, t0 + t, r, C);
         for (int qi = 0; qi < Q; qi++) {
