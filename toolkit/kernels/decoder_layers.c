@@ -395,8 +395,8 @@ static int stack(const sq_layer *layers, int64_t n_layers, const sq_dims *dm, fl
             /* tasks (chunk, key/value head): the chunk read once into fp32 tiles, then every query head of the group
              * and every row over it */
 #pragma omp parallel for schedule(static) if (H * M * end > SQ_ATTN_PARALLEL_MIN)
-            for (int64_t ck = 0; ck < chunks * KV; ck++) {
-                const int64_t c = ck / KV, kvh = ck % KV, t0 = c * SQ_KV_CHUNK;
+            for (int64_t ck = 0; ck < chunks * KV; ck++) { /* a head's chunks in a row: its codes are one stream */
+                const int64_t c = ck % chunks, kvh = ck / chunks, t0 = c * SQ_KV_CHUNK;
                 const int64_t t1 = t0 + SQ_KV_CHUNK < end ? t0 + SQ_KV_CHUNK : end;
                 float *kt = tiles + (int64_t)omp_get_thread_num() * 2 * SQ_KV_CHUNK * hd, *vt = kt + SQ_KV_CHUNK * hd;
 #ifdef __AVX512F__
