@@ -680,19 +680,8 @@ static inline __attribute__((always_inline)) void attend_kivi_zmm(const float *c
     int_query iq[6];
     for (int i = 0; i < Q; i++) iq[i].g = -1;
 #endif
-    if (t0 + 64 < src->flushed_keys) /* the chunk's first keys at once; the blocks ask for the rest ahead */
-        for (int64_t u = 0; u < 64 * src->rowb; u += 64)
-            _mm_prefetch((const char *)(src->k_codes + t0 * src->rowb + u), _MM_HINT_T0);
     for (int64_t b = 0; b < most; b += 16) {
         const int64_t nk = most - b < 16 ? most - b : 16, t = t0 + b;
-        if (t + 16 < src->flushed_values) { /* what this block's values and the keys 4 blocks on read */
-            for (int64_t u = 0; u < 16 * src->rowb; u += 64) {
-                _mm_prefetch((const char *)(src->v_codes + t * src->rowb + u), _MM_HINT_T0);
-                _mm_prefetch((const char *)(src->k_codes + (t + 64) * src->rowb + u), _MM_HINT_T0);
-            }
-            _mm_prefetch((const char *)(src->v_scale + t * src->vpr), _MM_HINT_T0);
-            _mm_prefetch((const char *)(src->v_min + t * src->vpr), _MM_HINT_T0);
-        }
 #ifdef SQ_INT_SCORES
         /* a block of grouped keys (one key group: groups are whole blocks) scored in integers */
         if (src->int_scores && t >= src->sink && t + nk <= src->flushed_keys) {
