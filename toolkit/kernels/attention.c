@@ -683,8 +683,10 @@ static inline __attribute__((always_inline)) void attend_kivi_zmm(const float *c
     for (int64_t b = 0; b < most; b += 16) {
         const int64_t nk = most - b < 16 ? most - b : 16, t = t0 + b;
         if (t + 16 < src->flushed_values) /* this block's values, read once the chunk's keys are scored */
-            for (int64_t u = 0; u < 16 * src->rowb; u += 64)
+            for (int64_t u = 0; u < 16 * src->rowb; u += 64) {
                 _mm_prefetch((const char *)(src->v_codes + t * src->rowb + u), _MM_HINT_T1);
+                _mm_prefetch((const char *)(src->k_codes + (t + 128) * src->rowb + u), _MM_HINT_T1);
+            }
 #ifdef SQ_INT_SCORES
         /* a block of grouped keys (one key group: groups are whole blocks) scored in integers */
         if (src->int_scores && t >= src->sink && t + nk <= src->flushed_keys) {
