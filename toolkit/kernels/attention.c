@@ -687,6 +687,10 @@ static inline __attribute__((always_inline)) void attend_kivi_zmm(const float *c
                 _mm_prefetch((const char *)(src->v_codes + t * src->rowb + u), _MM_HINT_T1);
                 _mm_prefetch((const char *)(src->k_codes + (t + 128) * src->rowb + u), _MM_HINT_T1);
             }
+        if (t + 16 < src->flushed_values) {
+            _mm_prefetch((const char *)(src->v_scale + t * src->vpr), _MM_HINT_T1);
+            _mm_prefetch((const char *)(src->v_min + t * src->vpr), _MM_HINT_T1);
+        }
 #ifdef SQ_INT_SCORES
         /* a block of grouped keys (one key group: groups are whole blocks) scored in integers */
         if (src->int_scores && t >= src->sink && t + nk <= src->flushed_keys) {
