@@ -123,7 +123,7 @@ def library():
 
 
 def int_scores_built() -> bool:
-    """Whether this build scores a KIVI cache's grouped keys in integers at int8 activations (AVX512-VNNI)."""
+    """Whether this build reads a KIVI cache's grouped codes in integers at int8 activations (AVX512-VNNI)."""
     lib = library()
     return lib is not None and bool(lib.sq_int_scores_built())
 
@@ -381,7 +381,7 @@ class NativeDecoder:
         # products with int8 activations: int4 or int8 weights on vnni_gemm.c (`of(..., activations="int8")`)
         self.w4a8 = sum(kinds.count(kind) for kind in INT8_ACTIVATIONS)
         self.half = kinds.count(H16) + kinds.count(B16)  # a float model's fp16 products (h16 or b16 kernel)
-        # every product on int8 activations: a KIVI cache's keys are scored in integers too (native_kv.py)
+        # every product on int8 activations: a KIVI cache's codes are read in integers too (native_kv.py)
         self.int_scores = bool(kinds) and self.w4a8 == len(kinds)
         # the fp32 int4 GEMM loses to dequantize + F.linear from the packs' max_rows on; every other kernel wins at
         # any row count: w4a8/w8a8 (integer dot products), and fp16, bf16 and exact int8 against the torch path

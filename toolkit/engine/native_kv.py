@@ -11,9 +11,9 @@ The call's new keys and values go straight behind the full-precision window wher
 `append` hands them to each layer, which quantizes what leaves (the same Python code as the torch path: the cache's
 state stays a function of its length).
 
-Where the stack's products take int8 activations (engine.native_dot=int8, a draft's stack), the keys' scores over
-the grouped codes are taken in integers as well, on AVX512-VNNI (docs/kv-cache.md "Scores on the codes"): one
-vpdpbusd per 64 codes instead of a conversion and two FMAs per code. Every row then reads the chunks this way,
+Where the stack's products take int8 activations (engine.native_dot=int8, a draft's stack), the grouped codes are
+read in integers as well, on AVX512-VNNI (docs/kv-cache.md "Scores on the codes"): the keys' scores and the values'
+weighted sums on vpdpwssd, instead of a conversion and two FMAs per code. Every row then reads the chunks this way,
 prompts included.
 
 Which caches: plain codes at 2, 4 or 8 bits, `kv.dequant=full` (the default), fp32 activations, one sequence. Keys
@@ -75,7 +75,7 @@ class KIVIView:
         """(the layers' `_KVQLayer` array, the bounds' `_KVQ`) for a call of `rows` rows, its new keys and values
         written in place behind each layer's full-precision window (`in_place`: `QuantizedKVLayer.in_window`) or to
         the scratch (`append` after the call). `int_scores`: the stack's products take int8 activations, and the
-        grouped keys' scores are taken in integers too where the kernel can (attention.c `int_query`)."""
+        grouped codes are read in integers too where the kernel can (attention.c `int_query`, `int_value_sums`)."""
         new = self._scratch(len(layers), kv_heads, rows, head_dim)
         key = (QuantizedKVLayer.buffer_epoch, new.data_ptr(), len(layers))
         held = self._arrays.get(cache)

@@ -201,8 +201,8 @@ typedef struct {
 typedef struct {
     int64_t bits, group, vgroup, flushed_keys, flushed_values, sink, key_cap, value_cap, res_cap, sink_cap;
     int64_t new_rows, new_at;
-    /* 1: the stack's products take int8 activations (engine.native_dot=int8, a draft's stack), and so do the keys'
-     * scores over the grouped codes (`int_scores`, where built); 0: fp32 scores */
+    /* 1: the stack's products take int8 activations (engine.native_dot=int8, a draft's stack), and the grouped codes
+     * are read in integers too (`kivi_int_scores`, where built); 0: in fp32 */
     int64_t int_scores;
 } sq_kvq;
 
@@ -451,9 +451,9 @@ static inline __attribute__((always_inline)) void kivi_value(const kivi_src *s, 
  * scale and minimum), so q.k = sum_j (q_j s_j) c_j + q.m. Per query row and key group, a_j = q_j s_j is rounded to
  * int16 with one scale (alpha = max |a_j| / 32767) and q.m kept in fp32; a key's score is then
  * alpha * sum_j a'_j c_j + q.m, the sum exact in int32 on vpdpwssd (32 codes widened to 16 bits, times a', an
- * instruction), where the fp32 score costs every code a conversion and two FMAs. Rounding a' to int8 (vpdpbusd)
- * moved the logits more than the int8 cache's own rounding did; int16 keeps a' within 1 / 65534 of its largest
- * channel. An approximation of the fp32 score all the same, made from the row alone: rows stay independent. */
+ * instruction), where the fp32 score costs every code a conversion and two FMAs. int16, not int8 (vpdpbusd): an
+ * int8 a' moves the scores more than an int8 cache's own rounding does.
+ * An approximation of the fp32 score all the same, made from the row alone: rows stay independent. */
 typedef struct {
     int16_t a[128]; /* a'_j in the order `int_codes` widens the codes */
     float alpha, bias;

@@ -494,7 +494,7 @@ int sq_decoder_layers_kvq(const sq_layer *layers, int64_t n_layers, const sq_dim
 #endif
 }
 
-/* 1 where this build scores a KIVI cache's grouped keys in integers at int8 activations (`kivi_int_scores`) */
+/* 1 where this build reads a KIVI cache's grouped codes in integers at int8 activations (`kivi_int_scores`) */
 int sq_int_scores_built(void) {
 #ifdef SQ_INT_SCORES
     return 1;
