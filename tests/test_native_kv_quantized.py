@@ -182,15 +182,42 @@ def _steps(model, ids, cache, at: int, end: int) -> torch.Tensor:
 INTEGER_CACHES = [CACHES[0], spec(8, group_size=32), spec(4, group_size=32), CACHES[3]]
 
 
+@pytest.fixture(scope="module")
+def head_dim_128(tiny_tokenizer):
+    """A 2-layer Llama with head dim 128 (Qwen2.5's), one key/value head for two query heads, on fp16 products."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4)
+    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         initializer_range=0.1, tie_word_embeddings=True, pad_token_id=tiny_tokenizer.pad_token_id)
+    out = LlamaForCausalLM(config).eval()
+    prepare_model(out, Precision(torch.float32, torch.float16), gemm="fbgemm")
+    install(out)
+    if out.forward.native_decoder() is None:
+        pytest.skip(f"the native decoder does not run this model here: {out.forward.native_reason}")
+    return out
+
+
 @pytest.mark.parametrize("kv", INTEGER_CACHES, ids=str)
 def test_integer_scores_are_the_fp32_scores_within_int16_rounding(model, kv, monkeypatch):
-    """The same prompt and steps with the grouped keys scored in integers (forced on a stack with fp32 activations,
-    whose logits follow the scores smoothly) and in fp32: close (the query rounded to int16 per key group), not
+    """The same prompt and steps with the grouped codes read in integers (forced on a stack with fp32 activations,
+    whose logits follow the scores smoothly) and in fp32: close (the query and the weights rounded to int16), not
     equal (the integer path ran), past a chunk boundary (256)."""
+    _integer_reads_close_to_fp32(model, kv, monkeypatch)
+
+
+@pytest.mark.parametrize("kv", INTEGER_CACHES, ids=str)
+def test_integer_scores_at_head_dim_128(head_dim_128, kv, monkeypatch):
+    """The same at head dim 128: two registers of codes a row, four value groups of 32."""
+    _integer_reads_close_to_fp32(head_dim_128, kv, monkeypatch)
+
+
+def _integer_reads_close_to_fp32(model, kv, monkeypatch):
     from toolkit.engine.native_decoder import int_scores_built
 
     decoder = model.forward.native_decoder()
-    if not int_scores_built() or decoder.dims.head_dim != 64:
+    if not int_scores_built() or decoder.dims.head_dim not in (64, 128):
         pytest.skip("integer scores need AVX512-VNNI and the register attention (head dim 64 or 128)")
     torch.manual_seed(2)
     ids = torch.randint(4, model.config.vocab_size, (1, 300))
