@@ -125,17 +125,24 @@ def tiny_qwen2(tiny_tokenizer):
     return model
 
 
+def small_llama(tokenizer, heads: int = 4, kv_heads: int = 2, intermediate: int = 256, positions: int = 1024,
+                seed: int = 3):
+    """A 2-layer fp32 Llama of width 256 (head dim 256 / heads), tied embeddings: the native stack's shapes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=intermediate,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=positions, initializer_range=0.1, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_wide_llama(tiny_tokenizer):
     """A 2-layer Llama with head dim 64 and grouped-query attention (SmolLM2's attention shape: the native stack's
     register attention), fp32. Tests copy it before changing it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         initializer_range=0.1, tie_word_embeddings=True, pad_token_id=tiny_tokenizer.pad_token_id)
-    return LlamaForCausalLM(config).eval()
+    return small_llama(tiny_tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -24,13 +24,9 @@ pytestmark = pytest.mark.skipif(library() is None or not vnni.available(),
 
 def _float_model(tokenizer):
     """A float Llama with SmolLM2's head width (64) and widths the v16 layout holds, engine-prepared."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import small_llama
 
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.1, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
-    model = LlamaForCausalLM(config).eval()
+    model = small_llama(tokenizer, intermediate=512, positions=512)
     prepare_model(model, Precision(torch.float32, torch.float16), gemm="fbgemm")
     install(model)
     return model

@@ -185,13 +185,9 @@ INTEGER_CACHES = [CACHES[0], spec(8, group_size=32), spec(4, group_size=32), CAC
 @pytest.fixture(scope="module")
 def head_dim_128(tiny_tokenizer):
     """A 2-layer Llama with head dim 128 (Qwen2.5's), one key/value head for two query heads, on fp16 products."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import small_llama
 
-    torch.manual_seed(4)
-    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         initializer_range=0.1, tie_word_embeddings=True, pad_token_id=tiny_tokenizer.pad_token_id)
-    out = LlamaForCausalLM(config).eval()
+    out = small_llama(tiny_tokenizer, heads=2, kv_heads=1, seed=4)
     prepare_model(out, Precision(torch.float32, torch.float16), gemm="fbgemm")
     install(out)
     if out.forward.native_decoder() is None:

@@ -39,14 +39,14 @@ def window_logits(model, ids: torch.Tensor, kv: KVSpec | None = None, chunk: int
 def _native_window_logits(model, ids: torch.Tensor, kv, chunk: int | None = None) -> torch.Tensor:
     """engine.native_dot=int8: the int8 activations exist only on the native stack, which runs one sequence at a
     time; each window goes through it alone, `chunk` (at most `NATIVE_CHUNK`) tokens a call, so the figures are the
-    arithmetic generation uses -- a quantized cache's keys scored in integers included (docs/kv-cache.md)."""
+    arithmetic generation uses -- a quantized cache's codes read in integers included (docs/kv-cache.md)."""
     out = []
     for row in ids:
         cache = make_kv_cache(model, row.shape[0], kv)
-        chunk = min(chunk or NATIVE_CHUNK, NATIVE_CHUNK, cache.call_rows or NATIVE_CHUNK)
+        step = min(chunk or NATIVE_CHUNK, NATIVE_CHUNK, cache.call_rows or NATIVE_CHUNK)
         pieces = []
-        for start in range(0, row.shape[0], chunk):
-            piece = row[None, start:start + chunk]
+        for start in range(0, row.shape[0], step):
+            piece = row[None, start:start + step]
             positions = torch.arange(start, start + piece.shape[1], device=ids.device)[None]
             cache.make_room(piece.shape[1])
             pieces.append(model(input_ids=piece, position_ids=positions, cache=cache, use_cache=True).logits)
